@@ -1,0 +1,36 @@
+# The two commands a new user needs: `make demo` (the main job on embedded defaults) and `make test` (the suite).
+# Each creates the virtual environment on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PYTHON ?= python3
+
+.PHONY: demo test test-fast server install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: 2.13.0 is the CPU build on this machine; a bare `torch` would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	# PyPI's torchvision/torchaudio are CUDA builds that break `import transformers` next to CPU torch.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m flows.sft
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+# A real Prefect server and MLflow UI on localhost (Ctrl-C stops both).
+server: $(STAMP)
+	bash scripts/server.sh
+
+clean:
+	rm -rf .posttrain

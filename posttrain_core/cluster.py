@@ -1,0 +1,114 @@
+"""Connect to Ray and run groups of worker actors under a single controller.
+
+`connect()` starts Ray on the local machine (or joins `$RAY_ADDRESS`); `WorkerGroup` places N actors of one class,
+wires them into a torch.distributed process group, and runs coarse methods on all of them, failing fast if any dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from posttrain_core.env import apply_defaults
+
+log = logging.getLogger(__name__)
+
+
+def connect(num_cpus: int | None = None) -> None:
+    """Start or join Ray once per process (idempotent).
+
+    With `RAY_ADDRESS` set, joins that cluster; otherwise starts a local one (no dashboard: our worker groups do not
+    need Ray Train's State API, and it costs ~1 GB of memory). Worker output is forwarded so stage progress shows in
+    the driver's log.
+    """
+    apply_defaults()
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict[str, Any] = dict(
+        address=address, log_to_driver=True, logging_level=logging.WARNING, configure_logging=True
+    )
+    if address is None:
+        # At least 2 logical CPUs so the 2-worker default runs on small machines; torch threads are set per worker.
+        kwargs.update(num_cpus=num_cpus or max(2, os.cpu_count() or 1), include_dashboard=False)
+    log.info("connecting to Ray (%s)", address or "local")
+    ray.init(**kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_address() -> tuple[str, int]:
+    """(ip, free port) of the calling process's node: the rendezvous of a process group."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+class WorkerGroup:
+    """N actors of one class forming a torch.distributed group; the driver calls coarse methods on all of them.
+
+    Args:
+        actor_cls: a plain class with `__init__(self, rank, world_size)` and a `setup(self, master_addr, master_port)`
+            method that calls `torch.distributed.init_process_group`.
+        num_workers: group size.
+        num_cpus: logical CPUs reserved per actor.
+    """
+
+    def __init__(self, actor_cls: type, num_workers: int, num_cpus: float = 1.0):
+        import ray
+
+        connect()
+        remote_cls = ray.remote(num_cpus=num_cpus)(actor_cls)
+        self.actors = [remote_cls.remote(rank, num_workers) for rank in range(num_workers)]
+        addr, port = ray.get(self.actors[0].rendezvous.remote())
+        self.run("setup", addr, port)
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every actor; return the results in rank order.
+
+        If any actor fails or dies, the others are killed at once (a peer blocked in a collective would otherwise
+        wait for the gloo timeout) and the first error is raised.
+        """
+        import ray
+
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception:
+                self.shutdown()
+                raise
+        return ray.get(refs)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.actors = []
+
+
+def split(items: Sequence[Any], n: int) -> list[list[Any]]:
+    """Split into n contiguous, nearly equal shards (empty shards dropped)."""
+    k, r = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + k + (1 if i < r else 0)
+        if end > start:
+            out.append(list(items[start:end]))
+        start = end
+    return out

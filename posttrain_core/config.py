@@ -1,0 +1,140 @@
+"""Pydantic configs for every stage; they are also the flow parameters that the Prefect UI renders as forms.
+
+One flat, frozen model per stage, every field documented. Cross-field checks run in validators, before any work starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DataConfig(_Config):
+    """Where the training and evaluation data come from: the synthetic task by default, or the user's files."""
+
+    train_path: str | None = Field(
+        None,
+        description="JSONL, Parquet or `datasets.save_to_disk` folder of chat rows ({'messages': [{role, content}]}, "
+        "or {'prompt', 'completion'}). Empty: generate the synthetic task.",
+    )
+    eval_path: str | None = Field(
+        None,
+        description="Prompts with ground-truth answers ({'messages'|'prompt', 'answer'}) for exact-match evaluation. "
+        "Empty: hold out `n_eval` rows of the training data (the last assistant turn is the answer).",
+    )
+    text_path: str | None = Field(
+        None,
+        description="Raw text ({'text': ...}) for continued pretraining. Empty: the synthetic corpus, or the "
+        "training chats flattened to text.",
+    )
+    families: list[Literal["arithmetic", "reverse"]] = Field(
+        default_factory=lambda: ["arithmetic", "reverse"], description="synthetic task families"
+    )
+    n_train: int = Field(6000, ge=1, description="synthetic training problems")
+    n_eval: int = Field(200, ge=1, description="held-out evaluation prompts (never seen in training)")
+    max_digits: int = Field(2, ge=1, le=6, description="synthetic arithmetic: digits per operand")
+    seed: int = Field(0, description="seed of the synthetic generator and of the held-out split")
+
+
+class ModelConfig(_Config):
+    """The base model: any local Hugging Face folder, or a tiny random-init model built with its own tokenizer."""
+
+    path: str | None = Field(
+        None, description="local Hugging Face model folder (full model or peft adapter). Empty: build a tiny model."
+    )
+    arch: Literal["llama", "qwen2"] = Field("llama", description="tiny model: architecture")
+    size: Literal["tiny", "small"] = Field(
+        "small", description="tiny model preset: tiny = 64 hidden x 2 layers, small = 128 hidden x 4 layers"
+    )
+    vocab_size: int = Field(512, ge=300, le=65536, description="tiny model: BPE vocabulary trained on the corpus")
+    max_position_embeddings: int = Field(512, ge=16, description="tiny model: context length")
+    seed: int = Field(0, description="tiny model: initialisation seed")
+
+
+class LoraConfig(_Config):
+    """Low-rank adapters (peft) instead of full fine-tuning."""
+
+    r: int = Field(8, ge=1, description="adapter rank")
+    alpha: int = Field(16, ge=1, description="scaling numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], description="module names to adapt"
+    )
+
+
+class TrainConfig(_Config):
+    """One data-parallel training loop on Ray workers (SFT and continued pretraining share it)."""
+
+    num_workers: int = Field(2, ge=1, description="Ray workers (torch.distributed data-parallel ranks)")
+    max_steps: int = Field(300, ge=1, description="optimizer steps")
+    global_batch_size: int = Field(32, ge=1, description="sequences per optimizer step, summed over workers")
+    micro_batch_size: int = Field(16, ge=1, description="sequences per forward pass on one worker")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of `lr`")
+    warmup_steps: int = Field(20, ge=0, description="linear warm-up steps")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warm-up")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping (0 = off)")
+    max_seq_len: int = Field(128, ge=8, description="tokens per sequence (longer rows are truncated)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (bfloat16 = autocast)")
+    checkpoint_every: int = Field(100, ge=0, description="in-stage checkpoint interval in steps (0 = never)")
+    keep_checkpoints: int = Field(2, ge=1, description="in-stage checkpoints kept")
+    log_every: int = Field(10, ge=1, description="steps between progress lines and MLflow metrics")
+    seed: int = Field(0, description="data order and initialisation seed")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters instead of all weights")
+    merge_lora: bool = Field(False, description="save the merged model instead of the adapter")
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainConfig:
+        per_step = self.num_workers * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of num_workers x micro_batch_size "
+                f"({self.num_workers} x {self.micro_batch_size} = {per_step})"
+            )
+        return self
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.global_batch_size // (self.num_workers * self.micro_batch_size)
+
+
+class PretrainConfig(TrainConfig):
+    """Continued pretraining: packed raw text, every token trained on."""
+
+    max_steps: int = Field(150, ge=1, description="optimizer steps")
+
+
+class SFTConfig(TrainConfig):
+    """Supervised fine-tuning on chats: the loss covers assistant tokens only."""
+
+
+class EvalConfig(_Config):
+    """Greedy generation on held-out prompts, scored by a verifier."""
+
+    verifier: Literal["exact_match", "numeric"] = Field("exact_match", description="how answers are checked")
+    max_new_tokens: int = Field(16, ge=1, description="generated tokens per prompt")
+    batch_size: int = Field(64, ge=1, description="prompts per generate call")
+    num_workers: int = Field(2, ge=1, description="Ray tasks generating in parallel")
+    max_prompts: int | None = Field(None, ge=1, description="evaluate only the first N prompts")
+
+
+class SFTFlowConfig(_Config):
+    """The SFT pipeline: data -> base model -> (continued pretraining) -> SFT -> evaluation."""
+
+    store: str | None = Field(
+        None, description="artifact store root (local folder or fsspec URI). Empty: $POSTTRAIN_STORE or ./.posttrain"
+    )
+    experiment: str = Field("posttrain", description="MLflow experiment name")
+    data: DataConfig = Field(default_factory=DataConfig, description="training and evaluation data")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="base model")
+    pretrain: PretrainConfig | None = Field(
+        default_factory=PretrainConfig, description="continued pretraining before SFT (empty: skip)"
+    )
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised fine-tuning")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")

@@ -1,0 +1,141 @@
+"""The prepare_data stage: synthetic task or user files -> validated Arrow dataset artifacts in the store.
+
+Outputs (one artifact each): `sft` (training chats), `eval` (held-out prompts with answers), `text` (raw text for
+continued pretraining) and, for the synthetic task, `preferences` (right vs wrong answers, for RM/DPO).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
+
+from posttrain_core import tracking
+from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.config import DataConfig
+from posttrain_core.keys import stage_key
+
+log = logging.getLogger(__name__)
+
+STAGE = "prepare_data"
+
+
+class DataRefs(BaseModel):
+    """The datasets one prepare_data run publishes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sft: ArtifactRef
+    eval: ArtifactRef
+    text: ArtifactRef
+    preferences: ArtifactRef | None = None
+
+
+def _inputs(cfg: DataConfig, store: ArtifactStore) -> dict[str, ArtifactRef]:
+    """User files are inputs (their fingerprint is part of the key); the synthetic task has none."""
+    files = {"train_file": cfg.train_path, "eval_file": cfg.eval_path, "text_file": cfg.text_path}
+    return {name: store.register_external(path, kind="dataset") for name, path in files.items() if path}
+
+
+def output_keys(cfg: DataConfig, store: ArtifactStore) -> dict[str, str]:
+    inputs = list(_inputs(cfg, store).values())
+    names = ["sft", "eval", "text"] + ([] if cfg.train_path else ["preferences"])
+    return {name: stage_key(f"{STAGE}.{name}", cfg, inputs) for name in names}
+
+
+def holdout_prompts(sft: pa.Table, n_eval: int, seed: int, source: str) -> tuple[pa.Table, pa.Table]:
+    """Split chats into (train chats, eval prompts): an eval prompt is a chat up to its last assistant turn, whose
+    content becomes the answer."""
+    rows = sft.column("messages").to_pylist()
+    if n_eval >= len(rows):
+        raise ValueError(f"{source}: n_eval={n_eval} leaves no training rows ({len(rows)} rows in all)")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    held, kept = sorted(order[:n_eval]), sorted(order[n_eval:])
+    prompts = {"prompt_id": [], "messages": [], "answer": [], "meta": []}
+    for i in held:
+        msgs = rows[i]
+        last = max(j for j, m in enumerate(msgs) if m["role"] == "assistant")
+        prompts["prompt_id"].append(f"row-{i}")
+        prompts["messages"].append(msgs[:last])
+        prompts["answer"].append(msgs[last]["content"])
+        prompts["meta"].append(json.dumps({"source_row": i}))
+    return sft.take(kept), pa.table(prompts)
+
+
+def flatten_chats(sft: pa.Table) -> pa.Table:
+    """Chats as raw text (contents joined by newlines), for continued pretraining when no text file is given."""
+    texts = ["\n".join(m["content"] for m in msgs) for msgs in sft.column("messages").to_pylist()]
+    return pa.table({"text": texts})
+
+
+def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
+    """All output tables, validated; raises (naming file, line, field) before anything is written."""
+    from posttrain_core.data import importers, schemas, synthetic
+
+    tables: dict[str, tuple[pa.Table, str]] = {}
+    if cfg.train_path:
+        sft = importers.import_file(cfg.train_path, "sft")
+        if cfg.eval_path:
+            eval_ = importers.import_file(cfg.eval_path, "prompts")
+        else:
+            sft, eval_ = holdout_prompts(sft, cfg.n_eval, cfg.seed, cfg.train_path)
+        text = importers.import_file(cfg.text_path, "text") if cfg.text_path else flatten_chats(sft)
+        tables = {"sft": (sft, "sft"), "eval": (eval_, "prompts"), "text": (text, "text")}
+    else:
+        problems = synthetic.make_problems(
+            families=tuple(cfg.families), n=cfg.n_train + cfg.n_eval, seed=cfg.seed, max_digits=cfg.max_digits
+        )
+        train, held = synthetic.split_train_eval(problems, cfg.n_eval, cfg.seed)
+        tables = {
+            "sft": (synthetic.sft_table(train), "sft"),
+            "eval": (synthetic.prompts_table(held), "prompts"),
+            "text": (synthetic.text_table(train, cfg.seed), "text"),
+            "preferences": (synthetic.preferences_table(train, cfg.seed), "preferences"),
+        }
+    for name, (table, kind) in tables.items():
+        if table.num_rows == 0:
+            raise ValueError(f"prepare_data: the '{name}' dataset is empty")
+        tables[name] = (schemas.validate_table(table, kind, source=f"prepare_data.{name}"), kind)
+    return tables
+
+
+def run_prepare_data(cfg: DataConfig, store: ArtifactStore) -> DataRefs:
+    """Publish the datasets (all validated before the first is written); cached by config and input files."""
+    from posttrain_core.data.io import write_dataset
+
+    inputs = _inputs(cfg, store)
+    keys = output_keys(cfg, store)
+    found = {name: store.get(key) for name, key in keys.items()}
+    if all(found.values()):
+        log.info("%s: cache hit (%s)", STAGE, ", ".join(f"{n}={k[:12]}" for n, k in keys.items()))
+        return DataRefs(**found)
+    started = time.time()
+    tables = build_tables(cfg)
+    refs: dict[str, ArtifactRef] = {}
+    with tracking.stage_run(store.root, STAGE, {"config": cfg.model_dump(mode="json")}) as tracker:
+        tracking.log_inputs(tracker, inputs)
+        for name, (table, kind) in tables.items():
+            if found.get(name):
+                refs[name] = found[name]
+                continue
+            out = store.new_output_dir(keys[name])
+            info = write_dataset(table, kind, out)
+            manifest = {
+                "stage": f"{STAGE}.{name}",
+                "config": cfg.model_dump(mode="json"),
+                "inputs": [{"name": n, **r.model_dump()} for n, r in inputs.items()],
+                "mlflow_run_id": tracker.run_id,
+                "num_rows": info["num_rows"],
+                "arrow_schema": info["schema"],
+            }
+            refs[name] = store.publish(keys[name], "dataset", out, manifest, schema_kind=kind)
+            store.clear_staging(keys[name])
+            tracker.log_metrics({f"{name}/num_rows": table.num_rows})
+            log.info("%s: %s -> %d rows (%s)", STAGE, name, table.num_rows, refs[name].key[:12])
+        tracker.log_metrics({"duration_s": time.time() - started})
+    return DataRefs(**refs)

@@ -1,0 +1,33 @@
+"""Process-wide defaults for the embedded (single machine, no network) setup.
+
+Applied before Prefect, Ray, MLflow or transformers are imported; every value is only a default (`setdefault`), so a
+user's environment always wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {
+    # Prefect: no telemetry (no network here), and room for a cold ephemeral-API start (migrations take ~20 s).
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "PREFECT_LOGGING_LEVEL": "INFO",
+    # Ray: no usage stats, no auth token written into $HOME, fewer background threads.
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_DEDUP_LOGS": "0",
+    # MLflow / Hugging Face: offline, quiet.
+    "MLFLOW_DISABLE_TELEMETRY": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_defaults() -> None:
+    """Set the defaults above where the user has not set them."""
+    for name, value in DEFAULTS.items():
+        os.environ.setdefault(name, value)

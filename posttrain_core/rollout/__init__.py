@@ -1,0 +1,1 @@
+"""Generation engines: Hugging Face generate on CPU (tests, evaluation) and vLLM on GPU."""

@@ -1,0 +1,104 @@
+"""The stage contract in one function: key, cache lookup, tracking, staging, atomic publish.
+
+Every stage (data preparation, model build, pretraining, SFT, evaluation, ...) is `run_stage(...)` plus a `build`
+function that writes the artifact's content into a fresh folder; this module makes them all resumable and cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from posttrain_core import tracking
+from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.keys import stage_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageContext:
+    """What a stage's build function gets.
+
+    Attributes:
+        key: the stage key.
+        store: the artifact store.
+        workdir: a local folder that persists across attempts of this stage (in-stage checkpoints live here).
+        outdir: a fresh folder for the artifact's content; published atomically when build returns.
+        tracker: the stage's MLflow run.
+    """
+
+    key: str
+    store: ArtifactStore
+    workdir: Path
+    outdir: Path
+    tracker: tracking.RunLogger
+
+
+@dataclass
+class StageOutput:
+    """What a build function returns: manifest fields (per-kind extras) and the stage's summary metrics."""
+
+    manifest: dict[str, Any]
+    metrics: dict[str, float]
+
+
+def key_for(stage: str, cfg: BaseModel, inputs: Mapping[str, ArtifactRef]) -> str:
+    return stage_key(stage, cfg, list(inputs.values()))
+
+
+def run_stage(
+    stage: str,
+    cfg: BaseModel,
+    inputs: Mapping[str, ArtifactRef],
+    store: ArtifactStore,
+    kind: Literal["dataset", "model"],
+    build: Callable[[StageContext], StageOutput],
+    schema_kind: str | None = None,
+) -> ArtifactRef:
+    """Return the stage's artifact: from the store if it is already there, else build and publish it.
+
+    Args:
+        stage: stage name (part of the key; also the MLflow run name).
+        cfg: the stage's config (part of the key).
+        inputs: named input artifacts (their digests are part of the key).
+        store: where artifacts live.
+        kind: "dataset" or "model".
+        build: writes the content into `ctx.outdir`; may checkpoint into `ctx.workdir` and resume from it.
+        schema_kind: for datasets, the Arrow schema kind.
+    """
+    key = key_for(stage, cfg, inputs)
+    cached = store.get(key)
+    if cached is not None:
+        log.info("%s: cache hit %s (nothing to run)", stage, key[:12])
+        return cached
+    log.info("%s: building %s", stage, key[:12])
+    started = time.time()
+    with tracking.stage_run(
+        store.root, stage, {"config": cfg.model_dump(mode="json")}, tags={"posttrain.key": key}
+    ) as tracker:
+        tracking.log_inputs(tracker, inputs)
+        ctx = StageContext(key, store, store.staging_dir(key), store.new_output_dir(key), tracker)
+        out = build(ctx)
+        manifest = {
+            "stage": stage,
+            "config": cfg.model_dump(mode="json"),
+            "inputs": [{"name": name, **ref.model_dump()} for name, ref in inputs.items()],
+            "mlflow_run_id": tracker.run_id,
+            "metrics": out.metrics,
+            "duration_s": round(time.time() - started, 3),
+            **out.manifest,
+        }
+        ref = store.publish(key, kind, ctx.outdir, manifest, schema_kind=schema_kind)
+        tracker.log_metrics({f"final/{k}": v for k, v in out.metrics.items()})
+        tracker.log_dict(store.manifest(ref), "manifest.json")
+        tracker.set_tags({"posttrain.artifact_uri": ref.uri})
+    store.clear_staging(key)
+    log.info("%s: published %s in %.1fs", stage, ref.uri, time.time() - started)
+    return ref

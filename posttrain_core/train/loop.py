@@ -1,0 +1,296 @@
+"""The data-parallel training loop for SFT and continued pretraining, run by each Ray worker.
+
+What it really is: AdamW on token cross-entropy, where the loss of a step is the sum over every trained token of the
+*global* batch divided by the global trained-token count, so the update does not depend on how the batch is split
+over workers or micro-batches. Sequences of the global batch for step s are a deterministic function of (seed, s):
+that is the whole data position, so resuming from a checkpoint at step s replays exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+from posttrain_core.config import TrainConfig
+from posttrain_core.tracking import RunLogger
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a worker needs; plain and picklable (it crosses the Ray boundary)."""
+
+    objective: Literal["sft", "pretrain"]
+    cfg: TrainConfig
+    data_path: str
+    base_path: str
+    workdir: str
+    outdir: str
+    tracker: RunLogger | None = None
+    fail_after_step: int | None = None  # fault injection for tests: rank 0 exits after this step's checkpoint
+    stage: str = "train"
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Multiplier of cfg.lr at a step: linear warm-up, then cosine/linear decay to min_lr_ratio, or constant."""
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f
+
+
+def global_batch(step: int, n_examples: int, batch_size: int, seed: int) -> list[int]:
+    """Example indices of the global batch of `step`: consecutive slices of per-epoch permutations."""
+    import torch
+
+    out, pos = [], step * batch_size
+    perms: dict[int, list[int]] = {}
+    for p in range(pos, pos + batch_size):
+        epoch = p // n_examples
+        if epoch not in perms:
+            g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+            perms[epoch] = torch.randperm(n_examples, generator=g).tolist()
+        out.append(perms[epoch][p % n_examples])
+    return out
+
+
+def build_examples(job: TrainJob, tokenizer) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """Tokenized (input_ids, labels) pairs and the number of rows dropped (nothing left to train on)."""
+    from posttrain_core.data.chat import pack_texts, tokenize_chat
+    from posttrain_core.data.io import read_dataset
+
+    seq_len = job.cfg.max_seq_len
+    if job.objective == "pretrain":
+        texts = read_dataset(job.data_path, "text").column("text").to_pylist()
+        return [(b, list(b)) for b in pack_texts(tokenizer, texts, seq_len)], 0
+    rows = read_dataset(job.data_path, "sft").column("messages").to_pylist()
+    examples, dropped = [], 0
+    for messages in rows:
+        ids, labels = tokenize_chat(tokenizer, messages, max_length=seq_len)
+        if sum(1 for x in labels[1:] if x != IGNORE) == 0:
+            dropped += 1
+            continue
+        examples.append((ids, labels))
+    if not examples:
+        raise ValueError(f"{job.data_path}: no row has assistant tokens within max_seq_len={seq_len}")
+    return examples, dropped
+
+
+def collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-pad to the longest sequence: input_ids_B_T, labels_B_T (IGNORE on padding), attention_mask_B_T."""
+    import torch
+
+    T = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), T), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.long)
+    for i, (x, y) in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return ids, labels, mask
+
+
+def _checkpoints(workdir: str) -> list[Path]:
+    return sorted((Path(workdir) / "checkpoints").glob("step_*.pt"))
+
+
+def _fmt_eta(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s"
+
+
+def train_loop(job: TrainJob, rank: int, world: int) -> dict:
+    """Run the loop on this rank; rank 0 saves the final checkpoint into job.outdir and returns the metrics."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from posttrain_core.models.loading import check_model_path, load_causal_lm, load_tokenizer, save_checkpoint
+    from posttrain_core.models.lora import LoraSettings, apply_lora
+
+    cfg = job.cfg
+    torch.manual_seed(cfg.seed)
+    tokenizer = load_tokenizer(job.base_path)
+    is_adapter = check_model_path(job.base_path)["is_adapter"]
+    model = load_causal_lm(job.base_path, dtype="float32", trainable_adapter=is_adapter)
+    if cfg.lora is not None and not is_adapter:
+        lora = cfg.lora
+        model = apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)))
+    model.train()
+    examples, dropped = build_examples(job, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+    start_step = 0
+    ckpts = _checkpoints(job.workdir)
+    if ckpts:
+        state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        start_step = state["step"]
+        if rank == 0:
+            print(f"[{job.stage}] resuming from in-stage checkpoint {ckpts[-1].name} (step {start_step})", flush=True)
+
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
+    )
+    history: list[float] = []
+    tokens_seen, compute_s, t_start = 0, 0.0, time.time()
+    for step in range(start_step, cfg.max_steps):
+        t0 = time.time()
+        mine = global_batch(step, len(examples), cfg.global_batch_size, cfg.seed)[rank::world]
+        micro = [mine[i : i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
+        local = torch.tensor(
+            [float(sum(1 for y in examples[i][1][1:] if y != IGNORE)) for i in mine], dtype=torch.float64
+        ).sum()
+        n_tok = local.clone()
+        if world > 1:
+            dist.all_reduce(n_tok)
+        stats = torch.zeros(2, dtype=torch.float64)  # [loss sum, input tokens]
+        for j, mb in enumerate(micro):
+            sync = world == 1 or j == len(micro) - 1
+            ids, labels, mask = collate([examples[i] for i in mb], pad_id)
+            with (contextlib.nullcontext() if sync else ddp.no_sync()), autocast:
+                logits = ddp(input_ids=ids, attention_mask=mask).logits
+                ce = F.cross_entropy(
+                    logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                    labels[:, 1:].reshape(-1),
+                    ignore_index=IGNORE,
+                    reduction="sum",
+                )
+                # DDP averages gradients over ranks, so scale by world to get sum / global token count.
+                (ce * world / n_tok.item()).backward()
+            stats += torch.tensor([ce.item(), float(mask.sum())], dtype=torch.float64)
+        if cfg.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        else:
+            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(stats)
+        compute_s += time.time() - t0  # throughput excludes logging and checkpoint I/O
+        loss = float(stats[0] / n_tok)
+        history.append(loss)
+        tokens_seen += int(stats[1])
+        done = step + 1
+        if rank == 0 and (done % cfg.log_every == 0 or done == cfg.max_steps or done == start_step + 1):
+            elapsed = time.time() - t_start
+            tps = tokens_seen / max(compute_s, 1e-9)
+            eta = elapsed / (done - start_step) * (cfg.max_steps - done)
+            print(
+                f"[{job.stage}] step {done}/{cfg.max_steps} loss {loss:.4f} lr {lr:.2e} grad_norm {grad_norm:.3f} "
+                f"tok/s {tps:,.0f} step_s {time.time() - t0:.3f} eta {_fmt_eta(eta)}",
+                flush=True,
+            )
+            if job.tracker is not None:
+                job.tracker.log_metrics(
+                    {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/tokens_per_s": tps},
+                    step=done,
+                )
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
+            if rank == 0:
+                _save_checkpoint(job, model, opt, sched, done, cfg.keep_checkpoints)
+            if world > 1:
+                dist.barrier()
+            if rank == 0 and job.fail_after_step is not None and done >= job.fail_after_step:
+                (Path(job.workdir) / "fault-injected").write_text(str(done))
+                print(f"[{job.stage}] fault injection: worker exits after step {done}", flush=True)
+                os._exit(1)
+
+    elapsed = time.time() - t_start
+    result = {"rank": rank}
+    if rank == 0:
+        unwrapped = ddp.module if world > 1 else ddp
+        info = save_checkpoint(unwrapped, tokenizer, job.outdir, merge_lora=cfg.merge_lora)
+        k = max(1, min(cfg.log_every, len(history) // 2 or 1))
+        result.update(
+            model_info=info,
+            loss_history=history,
+            resumed_from_step=start_step,
+            steps_run=cfg.max_steps - start_step,
+            train_examples=len(examples),
+            dropped_examples=dropped,
+            first_loss=sum(history[:k]) / k if history else float("nan"),
+            final_loss=sum(history[-k:]) / k if history else float("nan"),
+            tokens_per_s=tokens_seen / max(compute_s, 1e-9),
+            train_time_s=elapsed,
+        )
+    if world > 1:
+        dist.barrier()
+    return result
+
+
+def _save_checkpoint(job: TrainJob, model, opt, sched, step: int, keep: int) -> None:
+    """Trainable weights + optimizer + scheduler + RNG + step, written atomically (tmp file, then rename)."""
+    import torch
+
+    folder = Path(job.workdir) / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        "step": step,
+    }
+    tmp = folder / f".step_{step:07d}.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, folder / f"step_{step:07d}.pt")
+    for old in _checkpoints(job.workdir)[:-keep]:
+        old.unlink(missing_ok=True)
+
+
+class TrainWorker:
+    """One data-parallel rank (a Ray actor): joins the gloo/NCCL group, then runs `train_loop`."""
+
+    def __init__(self, rank: int, world_size: int):
+        import torch
+
+        self.rank, self.world = rank, world_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+    def rendezvous(self) -> tuple[str, int]:
+        from posttrain_core.cluster import node_address
+
+        return node_address()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.world > 1:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world,
+                timeout=timedelta(minutes=10),
+            )
+
+    def train(self, job: TrainJob) -> dict:
+        return train_loop(job, self.rank, self.world)

@@ -1,0 +1,68 @@
+"""What every stage task shares: the store, the cache key (= the stage key), retry rules and the summary artifact."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.tasks import exponential_backoff
+
+from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+
+RETRY = dict(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.2)
+
+
+def store_at(root: str | None) -> ArtifactStore:
+    return ArtifactStore(root)
+
+
+def is_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry lost Ray workers and node faults; never config or data errors (they fail the same way again)."""
+    exc = getattr(state, "data", None)
+    if isinstance(exc, ValueError | TypeError | FileNotFoundError | KeyError | NotImplementedError):
+        return False
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayActorError, WorkerCrashedError
+
+        return isinstance(exc, RayActorError | ActorDiedError | ActorUnavailableError | WorkerCrashedError | NodeDiedError)
+    except ImportError:
+        return False
+
+
+def stage_cache(key_of: Callable[[dict[str, Any], ArtifactStore], str]) -> Callable[[Any, dict[str, Any]], str | None]:
+    """A Prefect `cache_key_fn` equal to the core stage key.
+
+    Returns None (no caching) unless the store really holds the artifact, so a Prefect cache record can never hand
+    back a ref to an artifact that was deleted; the store is part of the key so two stores never share records.
+    """
+
+    def cache_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
+        store = store_at(parameters.get("store_root"))
+        key = key_of(parameters, store)
+        if store.get(key) is None:
+            return None
+        return f"{key}-{hashlib.sha256(str(store.root).encode()).hexdigest()[:12]}"
+
+    return cache_key_fn
+
+
+def report(stage: str, ref: ArtifactRef, store: ArtifactStore) -> dict[str, Any]:
+    """Log the stage's result and publish a Prefect table artifact with its metrics, key and MLflow run."""
+    manifest = store.manifest(ref)
+    metrics = manifest.get("metrics", {})
+    rows = [{"name": k, "value": round(v, 6) if isinstance(v, float) else v} for k, v in metrics.items()]
+    rows += [
+        {"name": "artifact_key", "value": ref.key},
+        {"name": "artifact_uri", "value": ref.uri},
+        {"name": "mlflow_run_id", "value": manifest.get("mlflow_run_id")},
+    ]
+    try:
+        create_table_artifact(rows, key=f"{stage.replace('_', '-').replace('.', '-')}-result", description=stage)
+        get_run_logger().info("%s -> %s %s", stage, ref.uri, {k: rows[i]["value"] for i, k in enumerate(metrics)})
+    except Exception:  # outside a Prefect run (e.g. `.fn()` in a unit test)
+        logging.getLogger(__name__).info("%s -> %s", stage, ref.uri)
+    return manifest
