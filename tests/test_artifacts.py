@@ -1,0 +1,395 @@
+"""Tests of the artifact store and stage keys: atomic publish, crash safety, concurrency, lineage, fsspec stores."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import fsspec
+import pytest
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+import posttrain_core
+from posttrain_core import artifacts
+from posttrain_core.artifacts import ArtifactRef, ArtifactStore, content_digest, ref_from_manifest
+from posttrain_core.keys import canonical_json, code_version, stage_key
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "ab" + "0" * 62
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ArtifactStore:
+    return ArtifactStore(tmp_path / "store")
+
+
+def _write(folder: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    return folder
+
+
+def _publish(store: ArtifactStore, key: str, files: dict[str, bytes], **manifest) -> ArtifactRef:
+    out = _write(store.new_output_dir(key), files)
+    return store.publish(key, "dataset", out, {"stage": "test", **manifest}, schema_kind="sft")
+
+
+def _entries(store: ArtifactStore, key: str) -> list[str]:
+    return sorted(p.name for p in (Path(store.root) / "artifacts" / key[:2]).iterdir())
+
+
+# --------------------------------------------------------------------------------------------- publish / get
+def test_publish_get_roundtrip(store: ArtifactStore) -> None:
+    files = {"data/part-0.arrow": b"arrow bytes" * 10, "stats.json": b"{}"}
+    out = _write(store.new_output_dir(KEY), files)
+    inputs = [ArtifactRef(kind="model", key="external-0123456789abcdef", uri="/models/base", digest="d" * 64)]
+    ref = store.publish(
+        KEY,
+        "dataset",
+        out,
+        {"stage": "sft", "config": {"lr": 1e-3}, "inputs": inputs, "mlflow_run_id": "run1", "metrics": {"loss": 0.5}},
+        schema_kind="sft",
+    )
+    assert ref == ArtifactRef(kind="dataset", key=KEY, uri=ref.uri, digest=ref.digest, schema_kind="sft")
+    assert store.get(KEY) == ref
+    assert ref.path == Path(store.root) / "artifacts" / "ab" / KEY
+    assert {rel: (ref.path / rel).read_bytes() for rel in files} == files
+    assert not out.exists()  # the content was moved, not copied
+
+    m = store.manifest(KEY)
+    assert store.manifest(ref) == m == json.loads((ref.path / "manifest.json").read_text())
+    assert (m["kind"], m["key"], m["schema_kind"], m["digest"]) == ("dataset", KEY, "sft", ref.digest)
+    assert m["files"] == [{"path": "data/part-0.arrow", "size": 110}, {"path": "stats.json", "size": 2}]
+    assert datetime.fromisoformat(m["created"]).utcoffset().total_seconds() == 0
+    assert m["posttrain_version"] == code_version()
+    assert (m["stage"], m["config"], m["mlflow_run_id"], m["metrics"]) == ("sft", {"lr": 1e-3}, "run1", {"loss": 0.5})
+    assert [ArtifactRef.model_validate(i) for i in m["inputs"]] == inputs
+    assert ref_from_manifest(m, ref.uri) == ref
+    assert store.list() == [ref] and store.list("dataset") == [ref] and store.list("model") == []
+
+
+def test_get_unknown_key_is_none(store: ArtifactStore) -> None:
+    assert store.get("ff" * 32) is None
+    with pytest.raises(FileNotFoundError, match="ff" * 32):
+        store.manifest("ff" * 32)
+    with pytest.raises(ValueError, match="invalid artifact key"):
+        store.get("../etc")
+
+
+def test_digest_deterministic_and_content_sensitive(store: ArtifactStore, tmp_path: Path) -> None:
+    files = {"a.bin": b"x" * 100, "sub/b.bin": b"y"}
+    first = _publish(store, "k1" + "0" * 10, files)
+    second = _publish(store, "k2" + "0" * 10, files)
+    assert first.digest == second.digest == content_digest(first.path)
+    assert _publish(store, "k3" + "0" * 10, {**files, "a.bin": b"x" * 99 + b"z"}).digest != first.digest
+    assert _publish(store, "k4" + "0" * 10, {"a2.bin": b"x" * 100, "sub/b.bin": b"y"}).digest != first.digest
+
+
+def test_publish_existing_key_returns_existing(store: ArtifactStore) -> None:
+    ref = _publish(store, KEY, {"a": b"1"})
+    again = _publish(store, KEY, {"a": b"2"})
+    assert again == ref and (ref.path / "a").read_bytes() == b"1"
+
+
+def test_publish_rejects_bad_input(store: ArtifactStore, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="missing"):
+        store.publish(KEY, "model", tmp_path / "missing", {})
+    out = _write(store.new_output_dir(KEY), {"manifest.json": b"{}"})
+    with pytest.raises(ValueError, match="manifest.json"):
+        store.publish(KEY, "model", out, {})
+    out = _write(store.new_output_dir(KEY), {"w": b"1"})
+    with pytest.raises(ValueError, match="'digest'"):
+        store.publish(KEY, "model", out, {"digest": "forged"})
+    with pytest.raises(ValueError, match="kind"):
+        store.publish(KEY, "tensor", out, {})  # type: ignore[arg-type]
+    assert store.get(KEY) is None
+
+
+@pytest.mark.parametrize("where", ["manifest", "rename"])
+def test_exception_mid_publish_leaves_nothing(store: ArtifactStore, monkeypatch, where: str) -> None:
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    if where == "manifest":
+        monkeypatch.setattr(artifacts, "_write_manifest", boom)
+    else:
+        real_rename = os.rename
+
+        def rename(src, dst, *args, **kwargs):
+            if os.path.basename(src).startswith(".tmp-"):
+                boom()
+            return real_rename(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "rename", rename)
+    out = _write(store.new_output_dir(KEY), {"w.bin": b"weights"})
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        store.publish(KEY, "model", out, {})
+    assert store.get(KEY) is None
+    assert _entries(store, KEY) == []  # no target, no temp folder
+    assert (out / "w.bin").read_bytes() == b"weights"  # content given back: a retry can publish it
+    monkeypatch.undo()
+    assert store.publish(KEY, "model", out, {}).key == KEY
+
+
+KILL_SCRIPT = r"""
+import os, signal, sys
+from posttrain_core.artifacts import ArtifactStore
+
+store, key, where = ArtifactStore(sys.argv[1]), sys.argv[2], sys.argv[3]
+out = store.new_output_dir(key)
+for i in range(8):
+    (out / f"shard-{i}.bin").write_bytes(os.urandom(128 * 1024))
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+real_rename = os.rename
+def rename(src, dst, *args, **kwargs):
+    if os.path.basename(os.fspath(src)).startswith(".tmp-"):
+        die()  # killed with a complete temp folder, manifest included, just before the rename
+    return real_rename(src, dst, *args, **kwargs)
+
+if where == "fsync":
+    os.fsync = die  # killed while flushing the content, before the manifest
+else:
+    os.rename = rename
+print("copying", flush=True)
+store.publish(key, "dataset", out, {"stage": "killed"})
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["fsync", "rename"])
+def test_sigkill_mid_publish_leaves_only_a_temp_folder(store: ArtifactStore, where: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT, store.root, KEY, where], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "copying" in proc.stdout and "survived" not in proc.stdout
+    assert store.get(KEY) is None and store.list() == []
+    [leftover] = _entries(store, KEY)
+    assert leftover.startswith(f".tmp-{KEY}-")
+    assert store.sweep() == 0  # too young for the default age
+    assert store.sweep(max_age_s=0) == 1
+    assert _entries(store, KEY) == []
+    assert _publish(store, KEY, {"a": b"1"}).key == KEY
+
+
+def test_foreign_incomplete_target_raises(store: ArtifactStore) -> None:
+    target = Path(store.root) / "artifacts" / KEY[:2] / KEY
+    _write(target, {"junk": b"1"})
+    out = _write(store.new_output_dir(KEY), {"a": b"1"})
+    with pytest.raises(FileExistsError, match=str(target)):
+        store.publish(KEY, "model", out, {})
+    assert (out / "a").exists()
+    (target / "manifest.json").write_text("{not json")
+    assert store.get(KEY) is None and store.list() == []
+
+
+# --------------------------------------------------------------------------------------------- concurrency
+def _publish_in_process(root: str, key: str, barrier, results) -> None:
+    store = ArtifactStore(root)
+    out = _write(store.new_output_dir(key), {"weights.bin": b"same" * 4096, "config.json": b"{}"})
+    barrier.wait(timeout=60)
+    results.put(store.publish(key, "model", out, {"stage": "race", "pid": os.getpid()}).model_dump_json())
+
+
+def test_concurrent_publish_from_processes(store: ArtifactStore) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_publish_in_process, args=(store.root, KEY, barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    refs = [ArtifactRef.model_validate_json(results.get(timeout=60)) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert refs[0] == refs[1] == store.get(KEY)
+    assert _entries(store, KEY) == [KEY]
+    assert store.manifest(KEY)["pid"] in {p.pid for p in procs}
+    assert content_digest(refs[0].path) == refs[0].digest
+
+
+def test_concurrent_publish_from_threads(store: ArtifactStore) -> None:
+    n = 6
+    barrier, refs = threading.Barrier(n), [None] * n
+
+    def worker(i: int) -> None:
+        out = _write(store.new_output_dir(KEY), {"weights.bin": b"same" * 4096})
+        barrier.wait(timeout=30)
+        refs[i] = store.publish(KEY, "model", out, {"thread": i})
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(r == refs[0] for r in refs) and refs[0] == store.get(KEY)
+    assert _entries(store, KEY) == [KEY]
+
+
+def test_publish_losing_the_rename_race_returns_the_winner(store: ArtifactStore, monkeypatch) -> None:
+    real_rename, raced = os.rename, []
+
+    def rename(src, dst, *args, **kwargs):
+        if os.path.basename(src).startswith(".tmp-") and not raced:
+            raced.append(True)  # another publisher finishes between our checks and our rename
+            winner = _write(store.new_output_dir(KEY), {"w": b"winner"})
+            raced.append(store.publish(KEY, "model", winner, {"who": "winner"}))
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    ours = _write(store.new_output_dir(KEY), {"w": b"loser"})
+    ref = store.publish(KEY, "model", ours, {"who": "loser"})
+    assert ref == raced[1] == store.get(KEY)
+    assert (ref.path / "w").read_bytes() == b"winner" and store.manifest(ref)["who"] == "winner"
+    assert _entries(store, KEY) == [KEY]
+
+
+# --------------------------------------------------------------------------------------------- keys
+class _Cfg(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    lr: float = 1e-3
+    steps: int = 10
+
+
+def _ref(digest: str) -> ArtifactRef:
+    return ArtifactRef(kind="dataset", key="k" * 8, uri="/x", digest=digest)
+
+
+def test_stage_key_changes_exactly_with_its_inputs() -> None:
+    inputs = [_ref("a" * 64), _ref("b" * 64)]
+    key = stage_key("sft", _Cfg(), inputs, version="1")
+    assert len(key) == 64 and key == stage_key("sft", _Cfg(), list(inputs), version="1")
+    assert key == stage_key("sft", _Cfg(), [_ref("a" * 64), _ref("b" * 64).model_copy(update={"uri": "/y"})], "1")
+    others = {
+        stage_key("sft", _Cfg(steps=11), inputs, version="1"),
+        stage_key("sft", _Cfg(), [inputs[0], _ref("c" * 64)], version="1"),
+        stage_key("sft", _Cfg(), inputs[::-1], version="1"),
+        stage_key("dpo", _Cfg(), inputs, version="1"),
+        stage_key("sft", _Cfg(), inputs, version="2"),
+        stage_key("sft", _Cfg(), inputs),
+    }
+    assert key not in others and len(others) == 6
+
+
+def test_stage_key_ignores_dict_order() -> None:
+    a = {"lr": 0.1, "sched": {"warmup": 5, "kind": "cos"}}
+    b = {"sched": {"kind": "cos", "warmup": 5}, "lr": 0.1}
+    assert canonical_json(a) == canonical_json(b) == '{"lr":0.1,"sched":{"kind":"cos","warmup":5}}'
+    assert stage_key("s", a, [], "1") == stage_key("s", b, [], "1")
+    assert canonical_json(_Cfg()) == canonical_json({"steps": 10, "lr": 1e-3})
+
+
+def test_code_version(monkeypatch) -> None:
+    monkeypatch.delenv("POSTTRAIN_CODE_VERSION", raising=False)
+    version, h = code_version().split("+")
+    assert version == posttrain_core.__version__
+    assert len(h) == 12 and int(h, 16) >= 0
+    monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "pinned-7")
+    assert code_version() == "pinned-7"
+    assert stage_key("s", {}, []) == stage_key("s", {}, [], version="pinned-7")
+
+
+# --------------------------------------------------------------------------------------------- external
+def test_register_external(store: ArtifactStore, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        store.register_external(missing)
+    folder = _write(tmp_path / "hf-model", {"config.json": b"{}", "model.safetensors": b"w" * 100})
+    ref = store.register_external(folder)
+    assert ref.kind == "model" and ref.uri == str(folder) and ref.key == "external-" + ref.digest[:16]
+    assert ref.external and ref.path == folder and store.local_path(ref) == folder
+    assert store.register_external(folder) == ref
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]  # nothing written
+    stat = (folder / "model.safetensors").stat()
+    (folder / "model.safetensors").write_bytes(b"w" * 101)
+    os.utime(folder / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same mtime, new size
+    assert store.register_external(folder).digest != ref.digest
+    jsonl = _write(tmp_path / "files", {"train.jsonl": b'{"a": 1}\n'}) / "train.jsonl"
+    file_ref = store.register_external(jsonl, kind="dataset")
+    assert file_ref.uri == str(jsonl) and store.local_path(file_ref) == jsonl and file_ref.digest != ref.digest
+
+
+# --------------------------------------------------------------------------------------------- lineage
+def test_lineage_walks_two_levels(store: ArtifactStore, tmp_path: Path) -> None:
+    base = store.register_external(_write(tmp_path / "base", {"w": b"1"}))
+    data = _publish(store, "da" + "1" * 62, {"rows": b"1"}, inputs=[])
+    sft = _publish(store, "sf" + "2" * 62, {"w": b"2"}, inputs=[data, base])
+    dpo = _publish(store, "dp" + "3" * 62, {"w": b"3"}, inputs=[sft, data])
+    chain = store.lineage(dpo)
+    assert [m["key"] for m in chain] == [dpo.key, sft.key, data.key, base.key]
+    assert chain[0] == store.manifest(dpo)
+    assert chain[3] == {"key": base.key, "uri": base.uri, "external": True, "kind": "model", "digest": base.digest}
+
+
+# --------------------------------------------------------------------------------------------- refs, staging, roots
+def test_ref_pickles_and_roundtrips_json() -> None:
+    ref = ArtifactRef(kind="dataset", key=KEY, uri="/store/x", digest="d" * 64, schema_kind="prompts")
+    assert pickle.loads(pickle.dumps(ref)) == ref
+    assert ArtifactRef.model_validate_json(ref.model_dump_json()) == ref
+    assert ArtifactRef.model_validate(json.loads(json.dumps(ref.model_dump()))) == ref
+    assert len({ref, ref.model_copy()}) == 1
+    with pytest.raises(ValidationError):
+        ref.key = "other"  # type: ignore[misc]
+    with pytest.raises(ValueError, match="s3://bucket/x"):
+        _ = ArtifactRef(kind="model", key=KEY, uri="s3://bucket/x", digest="d").path
+
+
+def test_staging_dirs(store: ArtifactStore) -> None:
+    staging = store.staging_dir(KEY)
+    assert staging == Path(store.root) / "staging" / KEY and staging.is_dir()
+    (staging / "ckpt-10").mkdir()
+    assert store.staging_dir(KEY) == staging and (staging / "ckpt-10").is_dir()  # survives a retry
+    a, b = store.new_output_dir(KEY), store.new_output_dir(KEY)
+    assert a != b and a.parent == b.parent == staging and a.name.startswith("out-")
+    store.clear_staging(KEY)
+    assert not staging.exists()
+    store.clear_staging(KEY)  # idempotent
+
+
+def test_default_root(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("POSTTRAIN_STORE", raising=False)
+    assert ArtifactStore().root == str((tmp_path / ".posttrain").resolve())
+    monkeypatch.setenv("POSTTRAIN_STORE", str(tmp_path / "env-store"))
+    assert ArtifactStore().root == str(tmp_path / "env-store")
+    assert ArtifactStore(f"file://{tmp_path}/url-store").root == str(tmp_path / "url-store")
+
+
+def test_memory_fsspec_store(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    root = f"memory://posttrain-test-{uuid.uuid4().hex}"
+    store = ArtifactStore(root)
+    assert not store.is_local and store.staging_root.is_relative_to(tmp_path / "home" / ".cache" / "posttrain")
+    files = {"model.safetensors": b"w" * 1000, "tok/vocab.json": b"{}"}
+    assert store.get(KEY) is None
+    ref = _publish(store, KEY, files)
+    assert ref.uri == f"{store.root}/artifacts/ab/{KEY}" and ref.uri.startswith("memory://")
+    assert store.get(KEY) == ref and store.list() == [ref]
+    assert store.manifest(ref)["files"] == [
+        {"path": "model.safetensors", "size": 1000},
+        {"path": "tok/vocab.json", "size": 2},
+    ]
+    assert _publish(store, KEY, {"other": b"1"}) == ref
+    local = store.local_path(ref)
+    assert local.is_relative_to(store.cache_root)
+    assert {rel: (local / rel).read_bytes() for rel in files} == files and content_digest(local) == ref.digest
+    assert store.local_path(ref) == local  # cached, not downloaded again
+    with pytest.raises(ValueError, match="local_path"):
+        _ = ref.path
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(f"{store._root}/artifacts/ab/.tmp-{KEY}-dead/manifest.json", b"{}")
+    assert store.list() == [ref] and store.sweep(max_age_s=0) == 1
+    assert fs.ls(f"{store._root}/artifacts/ab", detail=False) == [f"{store._root}/artifacts/ab/{KEY}"]
