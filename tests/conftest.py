@@ -49,3 +49,35 @@ def store(tmp_path):
     from posttrain_core.artifacts import ArtifactStore
 
     return ArtifactStore(tmp_path / "store")
+
+
+TINY_TRAIN = dict(global_batch_size=16, micro_batch_size=8, max_seq_len=64, log_every=5, warmup_steps=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_config(session_dir):
+    """A small but real SFT pipeline config: tiny Llama, synthetic data, 2 Ray workers."""
+    from posttrain_core.config import DataConfig, EvalConfig, ModelConfig, PretrainConfig, SFTConfig, SFTFlowConfig
+
+    return SFTFlowConfig(
+        store=str(session_dir / "flow-store"),
+        data=DataConfig(n_train=600, n_eval=32),
+        model=ModelConfig(size="tiny"),
+        pretrain=PretrainConfig(max_steps=10, checkpoint_every=0, **TINY_TRAIN),
+        sft=SFTConfig(max_steps=40, checkpoint_every=0, lr=5e-3, **TINY_TRAIN),
+        eval=EvalConfig(max_new_tokens=8),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_inputs(session_dir):
+    """(store, data refs, tiny base model ref) built once per session through the core stages."""
+    from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.config import DataConfig, ModelConfig
+    from posttrain_core.data.prepare import run_prepare_data
+    from posttrain_core.models.build import run_build_model
+
+    store = ArtifactStore(session_dir / "core-store")
+    data = run_prepare_data(DataConfig(n_train=400, n_eval=32), store)
+    base = run_build_model(ModelConfig(size="tiny"), data.text, store)
+    return store, data, base

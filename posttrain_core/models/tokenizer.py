@@ -54,7 +54,11 @@ def train_tokenizer(
     if vocab_size < min_size:
         raise ValueError(f"train_tokenizer: vocab_size={vocab_size} is below {min_size} (256 bytes + special tokens)")
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # One token per digit (as Llama and Qwen tokenizers do): numbers keep a fixed, position-wise token structure,
+    # which is what lets a small model learn carries instead of memorising a table of multi-digit tokens.
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -1,0 +1,293 @@
+"""Synthetic tasks with verifiable answers (arithmetic, letter reversal), deterministic from a seed, and verifiers.
+
+They feed every stage of the demo pipeline: tokenizer corpus, pretraining text, SFT, preferences, RL prompts, eval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from posttrain_core.data.schemas import validate_table
+
+FAMILIES = ("arithmetic", "reverse")
+
+FILLER_SENTENCES = (
+    "Arithmetic is the study of numbers and the operations on them.",
+    "To reverse a word, read its letters from the last to the first.",
+    "Each question below is followed by its answer.",
+    "Addition combines two numbers into their sum.",
+    "Subtraction finds the difference between two numbers.",
+    "Multiplication is repeated addition.",
+    "A careful reader checks every answer twice.",
+    "Letters can be read forwards or backwards.",
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task instance: the question a user asks and the exact answer a verifier checks."""
+
+    prompt_id: str
+    family: str
+    question: str
+    answer: str
+
+
+def _arithmetic(rng: random.Random, max_digits: int) -> tuple[str, str]:
+    op = rng.choice("+-*")
+    hi = 9 if op == "*" else 10**max_digits - 1  # products of single digits keep the task learnable
+    a, b = rng.randint(0, hi), rng.randint(0, hi)
+    if op == "-" and a < b:
+        a, b = b, a  # non-negative results only
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return f"What is {a} {op} {b}?", str(value)
+
+
+def _reverse(rng: random.Random, max_digits: int) -> tuple[str, str]:
+    # Letters are space-separated so that any BPE tokenizer sees one token per letter: the task is then about
+    # positions (learnable by a tiny model in a few hundred steps), not about undoing arbitrary subword merges.
+    letters = [rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5))]
+    return f"Reverse the letters: {' '.join(letters)}", " ".join(reversed(letters))
+
+
+_GENERATORS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
+    "arithmetic": _arithmetic,
+    "reverse": _reverse,
+}
+
+
+def make_problems(
+    families: Sequence[str] = FAMILIES, n: int = 1000, seed: int = 0, max_digits: int = 2
+) -> list[Problem]:
+    """n problems with distinct questions, round-robin over `families`, the same for the same arguments.
+
+    Each family draws from its own generator seeded by (seed, family), so the first k problems of a family do not
+    depend on n or on the other families.
+
+    Args:
+        families: names from `FAMILIES`.
+        n: how many problems in all.
+        seed: the random seed.
+        max_digits: most digits of an arithmetic operand (+ and -; * always uses single digits).
+    """
+    unknown = [f for f in families if f not in _GENERATORS]
+    if unknown or not families:
+        raise ValueError(f"unknown families {unknown or list(families)}; known: {', '.join(_GENERATORS)}")
+    if max_digits < 1:
+        raise ValueError(f"max_digits must be >= 1, got {max_digits}")
+    rngs = {f: random.Random(f"{seed}-{f}") for f in families}
+    counts = dict.fromkeys(families, 0)
+    seen: set[str] = set()
+    problems = []
+    for i in range(n):
+        family = families[i % len(families)]
+        for _ in range(10_000):
+            question, answer = _GENERATORS[family](rngs[family], max_digits)
+            if question not in seen:
+                break
+        else:
+            raise ValueError(f"family {family!r} ran out of distinct questions after {counts[family]} (raise max_digits)")
+        seen.add(question)
+        problems.append(Problem(f"{family}-{counts[family]:05d}", family, question, answer))
+        counts[family] += 1
+    return problems
+
+
+def split_train_eval(problems: Sequence[Problem], n_eval: int, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
+    """A random eval set of n_eval problems and the rest as train; no question appears in both.
+
+    Both lists keep the input order. Duplicated questions in the input all go to the side their first copy drew.
+    """
+    questions = list(dict.fromkeys(p.question for p in problems))
+    if not 0 <= n_eval <= len(questions):
+        raise ValueError(f"n_eval={n_eval} is not within 0..{len(questions)} (distinct questions)")
+    eval_questions = set(random.Random(seed).sample(questions, n_eval))
+    train = [p for p in problems if p.question not in eval_questions]
+    evals = [p for p in problems if p.question in eval_questions]
+    return train, evals
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _assistant(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def prompts_table(problems: Sequence[Problem]) -> pa.Table:
+    """A `prompts` table: one user message per problem, its answer, and meta {"family": ...}."""
+    return validate_table(
+        pa.table(
+            {
+                "prompt_id": [p.prompt_id for p in problems],
+                "messages": [_user(p.question) for p in problems],
+                "answer": [p.answer for p in problems],
+                "meta": [json.dumps({"family": p.family}) for p in problems],
+            }
+        ),
+        "prompts",
+        source="prompts_table",
+    )
+
+
+def sft_table(problems: Sequence[Problem]) -> pa.Table:
+    """An `sft` table: [user question, assistant answer] per problem (plus prompt_id)."""
+    return validate_table(
+        pa.table(
+            {
+                "messages": [_user(p.question) + _assistant(p.answer) for p in problems],
+                "prompt_id": [p.prompt_id for p in problems],
+            }
+        ),
+        "sft",
+        source="sft_table",
+    )
+
+
+def _qa_line(p: Problem) -> str:
+    return f"Q: {p.question} A: {p.answer}"
+
+
+def text_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
+    """A `text` table for continued pretraining: "Q: <question> A: <answer>" rows with a filler sentence about
+    every tenth row."""
+    rng = random.Random(seed)
+    texts = []
+    for p in problems:
+        if rng.random() < 0.1:
+            texts.append(rng.choice(FILLER_SENTENCES))
+        texts.append(_qa_line(p))
+    return validate_table(pa.table({"text": texts}), "text", source="text_table")
+
+
+def wrong_answer(problem: Problem, rng: random.Random) -> str:
+    """A plausible wrong answer: off by one or two digits swapped (arithmetic), the letters shuffled (reverse)."""
+    answer = problem.answer
+    if problem.family == "arithmetic":
+        value = int(answer)
+        candidates = [str(value + 1)] + ([str(value - 1)] if value > 0 else [])
+        if len(answer) >= 2 and answer[-1] != answer[-2] and not (len(answer) == 2 and answer[-1] == "0"):
+            candidates.append(answer[:-2] + answer[-1] + answer[-2])  # swap the last two digits
+        return rng.choice(candidates)
+    letters = answer.split(" ")
+    for _ in range(20):
+        rng.shuffle(letters)
+        if " ".join(letters) != answer:
+            return " ".join(letters)
+    # all letters equal (or unlucky): change one letter instead
+    i = rng.randrange(len(letters))
+    letters[i] = chr((ord(letters[i]) - 97 + 1) % 26 + 97)
+    return " ".join(letters)
+
+
+def preferences_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
+    """A `preferences` table: prompt [user question], chosen [right answer], rejected [a plausible wrong one]."""
+    rng = random.Random(seed)
+    return validate_table(
+        pa.table(
+            {
+                "prompt": [_user(p.question) for p in problems],
+                "chosen": [_assistant(p.answer) for p in problems],
+                "rejected": [_assistant(wrong_answer(p, rng)) for p in problems],
+                "prompt_id": [p.prompt_id for p in problems],
+            }
+        ),
+        "preferences",
+        source="preferences_table",
+    )
+
+
+def corpus_for_tokenizer(problems: Sequence[Problem]) -> list[str]:
+    """Texts to train a tokenizer on: questions, answers, the pretraining lines, filler, and the chat role names."""
+    return (
+        [p.question for p in problems]
+        + [p.answer for p in problems]
+        + [_qa_line(p) for p in problems]
+        + list(FILLER_SENTENCES)
+        + ["system\n", "user\n", "assistant\n", "tool\n"]
+    )
+
+
+# ---- verifiers: plain functions of (response, reference); never raise on a malformed response ----
+
+_MARKER = re.compile(r"(?i:answer is)|A:")
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def _result(correct: bool, parse_failed: bool = False) -> dict:
+    return {"reward": 1.0 if correct else 0.0, "correct": correct, "parse_failed": parse_failed}
+
+
+def extract_answer(text: Any) -> str | None:
+    """The answer in a response: the text after the last "answer is" / "A:" if any, else all of it; whitespace, a
+    leading ':' and one trailing period stripped. None for an empty result or a non-string."""
+    if not isinstance(text, str):
+        return None
+    text = text.strip()
+    markers = list(_MARKER.finditer(text))
+    if markers:
+        text = text[markers[-1].end() :].strip().lstrip(":").strip()
+    if text.endswith("."):
+        text = text[:-1].rstrip()
+    return text or None
+
+
+def exact_match(response: Any, answer: Any) -> dict:
+    """reward 1.0 iff the extracted answer equals `answer` (both stripped); parse_failed when nothing was extracted.
+
+    Returns:
+        {"reward": float, "correct": bool, "parse_failed": bool}
+    """
+    pred = extract_answer(response)
+    if pred is None:
+        return _result(False, parse_failed=True)
+    return _result(answer is not None and pred == str(answer).strip())
+
+
+def _last_number(text: Any) -> float | None:
+    if not isinstance(text, str):
+        return None
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        value = float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def numeric_match(response: Any, answer: Any, tol: float = 1e-6) -> dict:
+    """reward 1.0 iff the last number in the response is within tol of `answer` (absolute or relative).
+
+    A response without a number gives parse_failed=True; an answer that is not a number is never matched.
+    """
+    pred = _last_number(response)
+    if pred is None:
+        return _result(False, parse_failed=True)
+    ref = _last_number(str(answer)) if answer is not None else None
+    return _result(ref is not None and math.isclose(pred, ref, rel_tol=tol, abs_tol=tol))
+
+
+def regex_format(response: Any, pattern: str) -> dict:
+    """reward 1.0 iff `re.search(pattern, response)` matches (anchor the pattern for a whole-response format).
+
+    A non-string response gives parse_failed=True; an invalid pattern raises re.error (a configuration mistake).
+    """
+    if not isinstance(response, str):
+        return _result(False, parse_failed=True)
+    return _result(re.search(pattern, response) is not None)
+
+
+# exact_match and numeric are called as fn(response, answer); regex as fn(response, pattern).
+VERIFIERS: dict[str, Callable[..., dict]] = {"exact_match": exact_match, "numeric": numeric_match, "regex": regex_format}

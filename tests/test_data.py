@@ -1,0 +1,384 @@
+"""Tests of the data layer: schema validation, Parquet round trips, importers, synthetic tasks and verifiers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from posttrain_core.data import SCHEMAS, import_file, import_hf, read_dataset, validate_table, write_dataset
+from posttrain_core.data.synthetic import (
+    VERIFIERS,
+    exact_match,
+    extract_answer,
+    make_problems,
+    numeric_match,
+    preferences_table,
+    prompts_table,
+    regex_format,
+    sft_table,
+    split_train_eval,
+    text_table,
+)
+
+
+def chat(*pairs: tuple[str, str]) -> list[dict]:
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+ROLLOUT = {
+    "prompt_id": ["p0", "p1"],
+    "sample_index": [0, 1],
+    "prompt_ids": [[1, 2], [3]],
+    "response_ids": [[4, 5, 6], [7]],
+    "response_text": ["abc", "d"],
+    "logprobs": [[-0.1, -0.2, -0.3], [-1.0]],
+    "finish_reason": ["stop", "length"],
+    "policy_digest": ["sha256:aa", "sha256:aa"],
+    "answer": ["82", None],
+    "response_mask": [[1, 0, 1], None],
+    "turns": [None, json.dumps([{"role": "assistant", "start": 0}])],
+}
+
+GOOD = {
+    "text": {"text": ["hello", "world"]},
+    "prompts": {
+        "prompt_id": ["a", "b"],
+        "messages": [chat(("user", "What is 1 + 1?")), chat(("system", "Be brief."), ("user", "Hi"))],
+        "answer": ["2", None],
+        "meta": ['{"family": "arithmetic"}', None],
+    },
+    "sft": {"messages": [chat(("user", "q"), ("assistant", "a")), chat(("user", "q"), ("assistant", "a"), ("user", "q2"), ("assistant", "b"))]},
+    "preferences": {
+        "prompt": [chat(("user", "q"))],
+        "chosen": [chat(("assistant", "right"))],
+        "rejected": [chat(("assistant", "wrong"))],
+    },
+    "rollouts": ROLLOUT,
+    "scored_rollouts": {
+        **ROLLOUT,
+        "reward": [1.0, 0.0],
+        "reward_components": [[("exact_match", 1.0)], [("exact_match", 0.0), ("format", 0.5)]],
+        "correct": [True, None],
+        "parse_failed": [False, True],
+    },
+    "eval": {
+        "prompt_id": ["a"],
+        "sample_index": [0],
+        "response_text": ["82"],
+        "answer": ["82"],
+        "correct": [True],
+        "reward": [1.0],
+    },
+}
+
+
+def good_table(kind: str) -> pa.Table:
+    columns = dict(GOOD[kind])
+    if kind == "scored_rollouts":
+        columns["reward_components"] = pa.array(columns["reward_components"], pa.map_(pa.string(), pa.float64()))
+    return pa.table(columns)  # inferred types: int64, double, ... are cast by validate_table
+
+
+# ---- schemas ----
+
+
+def test_every_kind_has_a_good_example():
+    assert set(GOOD) == set(SCHEMAS)
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEMAS))
+def test_good_table_is_accepted_and_cast(kind):
+    table = good_table(kind).append_column("extra", pa.array(["x"] * len(good_table(kind))))
+    out = validate_table(table, kind)
+    assert out.schema.names == SCHEMAS[kind].names + ["extra"]
+    for field in SCHEMAS[kind]:
+        assert out.schema.field(field.name).type == field.type
+    assert out.num_rows == table.num_rows
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="kinds: text, prompts, sft"):
+        validate_table(good_table("sft"), "chats")
+
+
+def test_missing_column_is_named():
+    with pytest.raises(ValueError, match=r"^data.parquet: column 'messages' is missing \(kind 'sft' needs: messages\)"):
+        validate_table(pa.table({"text": ["x"]}), "sft", source="data.parquet")
+
+
+def test_wrong_type_is_named():
+    table = good_table("prompts").set_column(2, "answer", pa.array([2, 3]))
+    with pytest.raises(ValueError, match="^ds: column 'answer' has type int64, expected string$"):
+        validate_table(table, "prompts", source="ds")
+
+
+def test_safe_casts():
+    table = pa.table(
+        {
+            "prompt_id": pa.array(["a"], pa.large_string()),
+            "sample_index": pa.array([3], pa.int64()),
+            "response_text": pa.array(["x"], pa.large_string()),
+            "answer": pa.nulls(1),
+            "correct": [False],
+            "reward": pa.array([0.5], pa.float64()),
+        }
+    )
+    out = validate_table(table, "eval")
+    assert out.schema.field("answer").type == pa.string()
+    assert out.column("sample_index").to_pylist() == [3]
+
+
+def test_int_out_of_range_is_rejected():
+    table = good_table("eval").set_column(1, "sample_index", pa.array([2**40]))
+    with pytest.raises(ValueError, match="column 'sample_index' has type int64, expected int32"):
+        validate_table(table, "eval")
+
+
+def test_null_in_required_column_names_row():
+    table = good_table("text").set_column(0, "text", pa.array(["a", None]))
+    with pytest.raises(ValueError, match="^src row 1: column 'text' is null$"):
+        validate_table(table, "text", source="src")
+
+
+def test_empty_messages_names_row():
+    table = pa.table({"messages": [chat(("user", "q"), ("assistant", "a")), []]})
+    with pytest.raises(ValueError, match="^f.parquet row 1: column 'messages' is empty$"):
+        validate_table(table, "sft", source="f.parquet")
+
+
+def test_bad_role_names_row_and_message():
+    table = pa.table({"messages": [chat(("user", "q"), ("assistant", "a")), chat(("user", "q"), ("robot", "a"))]})
+    with pytest.raises(ValueError, match="row 1: column 'messages' message 1 has role 'robot'"):
+        validate_table(table, "sft")
+
+
+def test_null_content_names_row():
+    table = pa.table({"prompt_id": ["a"], "messages": [[{"role": "user", "content": None}]], "answer": [None], "meta": [None]})
+    with pytest.raises(ValueError, match="row 0: column 'messages' message 0 has null content"):
+        validate_table(table, "prompts")
+
+
+def test_sft_needs_an_assistant_turn():
+    table = pa.table({"messages": [chat(("user", "q"), ("assistant", "a")), chat(("user", "only a question"))]})
+    with pytest.raises(ValueError, match="row 1: column 'messages' has no assistant message"):
+        validate_table(table, "sft")
+
+
+def test_meta_must_be_a_json_object():
+    table = good_table("prompts").set_column(3, "meta", pa.array(["{}", "[1]"]))
+    with pytest.raises(ValueError, match="row 1: column 'meta' must be a JSON object"):
+        validate_table(table, "prompts")
+
+
+def test_response_mask_length_must_match():
+    table = good_table("rollouts").set_column(9, "response_mask", pa.array([[1, 0], None], pa.list_(pa.int8())))
+    with pytest.raises(ValueError, match="row 0: column 'response_mask' has a different length"):
+        validate_table(table, "rollouts")
+
+
+# ---- io ----
+
+
+def test_write_read_round_trip(tmp_path):
+    table = prompts_table(make_problems(n=25))
+    info = write_dataset(table, "prompts", tmp_path / "ds", rows_per_file=10)
+    assert info["num_rows"] == 25 and info["schema_kind"] == "prompts"
+    assert info["files"] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == info["files"]
+    assert read_dataset(tmp_path / "ds", "prompts").equals(table)
+    assert read_dataset(tmp_path / "ds" / "part-00002.parquet", "prompts").num_rows == 5
+
+
+def test_write_invalid_writes_nothing(tmp_path):
+    with pytest.raises(ValueError, match="column 'messages' is missing"):
+        write_dataset(pa.table({"text": ["x"]}), "sft", tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+    with pytest.raises(ValueError, match="empty"):
+        write_dataset(good_table("text").slice(0, 0), "text", tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_write_refuses_to_mix_with_existing_files(tmp_path):
+    write_dataset(good_table("text"), "text", tmp_path)
+    with pytest.raises(FileExistsError):
+        write_dataset(good_table("text"), "text", tmp_path)
+
+
+def test_read_names_the_bad_file(tmp_path):
+    write_dataset(good_table("text"), "text", tmp_path)
+    pq.write_table(pa.table({"txt": ["x"]}), tmp_path / "part-00001.parquet")
+    with pytest.raises(ValueError, match=r"part-00001.parquet: column 'text' is missing"):
+        read_dataset(tmp_path, "text")
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        read_dataset(tmp_path / "nowhere", "text")
+
+
+# ---- importers ----
+
+
+def write_lines(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_malformed_line_is_named(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [{"text": "a"}, {"text": "b"}, '{"text": "c"'])
+    with pytest.raises(ValueError, match=r"d.jsonl line 3: invalid JSON"):
+        import_file(path, "text")
+
+
+def test_jsonl_empty_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl: no rows"):
+        import_file(path, "text")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        import_file(tmp_path / "missing.jsonl", "text")
+
+
+def test_jsonl_bad_messages_and_bad_values_name_the_line(tmp_path):
+    path = write_lines(tmp_path / "d.jsonl", [{"messages": chat(("user", "q"), ("assistant", "a"))}, {"messages": "hi"}])
+    with pytest.raises(ValueError, match=r"d.jsonl line 2: field 'messages' must be a list of \{role, content\} objects"):
+        import_file(path, "sft")
+    path = write_lines(tmp_path / "e.jsonl", [{"messages": chat(("user", "q"), ("assistant", "a"))}, {"messages": chat(("user", "q"))}])
+    with pytest.raises(ValueError, match=r"e.jsonl line 2: column 'messages' has no assistant message"):
+        import_file(path, "sft")
+    path = write_lines(tmp_path / "f.jsonl", [{"text": "a"}, {"text": ["not", "text"]}])
+    with pytest.raises(ValueError, match=r"f.jsonl line 2: field 'text'"):
+        import_file(path, "text")
+
+
+def test_prompt_completion_normalisation(tmp_path):
+    path = write_lines(
+        tmp_path / "sft.jsonl",
+        [{"prompt": "What is 1 + 1?", "completion": "2"}, {"prompt": "Hi", "response": "Hello", "system": "Be kind."}],
+    )
+    table = import_file(path, "sft")
+    assert table.column("messages").to_pylist() == [
+        chat(("user", "What is 1 + 1?"), ("assistant", "2")),
+        chat(("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello")),
+    ]
+
+
+def test_prompts_and_text_normalisation(tmp_path):
+    path = write_lines(tmp_path / "qs.jsonl", [{"prompt": "What is 2 + 2?", "answer": 4, "meta": {"family": "arithmetic"}}, {"prompt_id": "x", "prompt": "Hi"}])
+    table = import_file(path, "prompts")
+    assert table.column("prompt_id").to_pylist() == ["qs-1", "x"]
+    assert table.column("messages").to_pylist()[1] == chat(("user", "Hi"))
+    assert table.column("answer").to_pylist() == ["4", None]
+    assert json.loads(table.column("meta")[0].as_py()) == {"family": "arithmetic"}
+    text = import_file(write_lines(tmp_path / "t.jsonl", [{"text": "a", "source": "web"}, '"b"']), "text")
+    assert text.column("text").to_pylist() == ["a", "b"]
+    assert text.column("source").to_pylist() == ["web", None]
+
+
+def test_preferences_implicit_prompt(tmp_path):
+    row = {"chosen": chat(("user", "q"), ("assistant", "good")), "rejected": chat(("user", "q"), ("assistant", "bad"))}
+    table = import_file(write_lines(tmp_path / "p.jsonl", [row]), "preferences")
+    assert table.to_pylist()[0] == {"prompt": chat(("user", "q")), "chosen": chat(("assistant", "good")), "rejected": chat(("assistant", "bad"))}
+
+
+def test_parquet_import(tmp_path):
+    pq.write_table(pa.table({"prompt": ["q"], "completion": ["a"]}), tmp_path / "pc.parquet")
+    assert import_file(tmp_path / "pc.parquet", "sft").column("messages").to_pylist() == [chat(("user", "q"), ("assistant", "a"))]
+    folder = tmp_path / "folder"
+    write_dataset(sft_table(make_problems(n=6)), "sft", folder, rows_per_file=4)
+    assert import_file(folder, "sft").num_rows == 6
+    pq.write_table(pa.table({"text": [None]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad.parquet row 0: column 'text' is null"):
+        import_file(tmp_path / "bad.parquet", "text")
+
+
+def test_hf_save_to_disk_import(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = {"messages": [chat(("user", "q"), ("assistant", "a"))] * 3, "source": ["s"] * 3}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    table = import_file(tmp_path / "ds", "sft")
+    assert table.num_rows == 3 and table.column_names == ["messages", "source"]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b"]})}).save_to_disk(str(tmp_path / "dd"))
+    assert import_hf(tmp_path / "dd", "text").column("text").to_pylist() == ["a", "b"]
+    with pytest.raises(ValueError, match="no split 'test'; splits: train"):
+        import_hf(tmp_path / "dd", "text", split="test")
+
+
+# ---- synthetic ----
+
+
+def test_problems_are_deterministic_and_unique():
+    a, b = make_problems(n=300, seed=3), make_problems(n=300, seed=3)
+    assert a == b
+    assert a != make_problems(n=300, seed=4)
+    assert len({p.question for p in a}) == 300 and len({p.prompt_id for p in a}) == 300
+    assert [p.family for p in a[:4]] == ["arithmetic", "reverse", "arithmetic", "reverse"]
+    assert make_problems(n=100, seed=3) == a[:100]  # per-family streams: a prefix does not depend on n
+
+
+def test_problem_answers_are_right():
+    for p in make_problems(n=200, seed=1):
+        if p.family == "arithmetic":
+            a, op, b = p.question.removeprefix("What is ").removesuffix("?").split()
+            assert str(eval(f"{a} {op} {b}")) == p.answer  # noqa: S307 - our own generated text
+            assert op != "*" or (len(a) == 1 and len(b) == 1)
+        else:
+            letters = p.question.removeprefix("Reverse the letters: ").split(" ")
+            assert 3 <= len(letters) <= 5 and all(len(c) == 1 and c.islower() for c in letters)
+            assert p.answer == " ".join(reversed(letters))
+
+
+def test_split_is_disjoint():
+    problems = make_problems(n=200)
+    train, evals = split_train_eval(problems, n_eval=50, seed=0)
+    assert len(evals) == 50 and len(train) == 150
+    assert not {p.question for p in train} & {p.question for p in evals}
+    assert split_train_eval(problems, n_eval=50, seed=0) == (train, evals)
+
+
+def test_tables_are_valid():
+    problems = make_problems(n=40)
+    assert prompts_table(problems).num_rows == 40
+    assert sft_table(problems).column("messages")[0].as_py()[1] == {"role": "assistant", "content": problems[0].answer}
+    assert text_table(problems).num_rows >= 40
+    prefs = preferences_table(problems, seed=0).to_pylist()
+    assert all(r["chosen"] != r["rejected"] for r in prefs)
+
+
+def test_extract_answer():
+    assert extract_answer(" 82 ") == "82"
+    assert extract_answer("82.") == "82"
+    assert extract_answer("The answer is 82.") == "82"
+    assert extract_answer("Q: What is 37 + 45? A: 82") == "82"
+    assert extract_answer("") is None and extract_answer("   ") is None and extract_answer(None) is None
+
+
+@pytest.mark.parametrize(
+    "response, reward, parse_failed",
+    [("82", 1.0, False), (" 82 ", 1.0, False), ("82.", 1.0, False), ("the answer is 82", 1.0, False),
+     ("eighty-two", 0.0, False), ("83", 0.0, False), ("", 0.0, True), (None, 0.0, True), (b"\x00", 0.0, True)],
+)
+def test_exact_match(response, reward, parse_failed):
+    assert exact_match(response, "82") == {"reward": reward, "correct": reward == 1.0, "parse_failed": parse_failed}
+
+
+@pytest.mark.parametrize(
+    "response, reward, parse_failed",
+    [("82", 1.0, False), ("The answer is 82.", 1.0, False), (" 82 ", 1.0, False), ("82.0", 1.0, False),
+     ("eighty-two", 0.0, True), ("", 0.0, True), (None, 0.0, True), ("}{%$", 0.0, True), ("81", 0.0, False)],
+)
+def test_numeric_match(response, reward, parse_failed):
+    assert numeric_match(response, "82") == {"reward": reward, "correct": reward == 1.0, "parse_failed": parse_failed}
+
+
+def test_numeric_edge_cases():
+    assert numeric_match("-7", "-7")["correct"] and numeric_match("1,234", "1234")["correct"]
+    assert not numeric_match("82", "not a number")["correct"] and not numeric_match("82", None)["correct"]
+
+
+def test_regex_format_and_registry():
+    assert regex_format("A: 82", r"^A: \d+$")["reward"] == 1.0
+    assert regex_format("82", r"^A: \d+$") == {"reward": 0.0, "correct": False, "parse_failed": False}
+    assert regex_format(None, r".*")["parse_failed"]
+    assert set(VERIFIERS) == {"exact_match", "numeric", "regex"}
