@@ -28,6 +28,12 @@ DEFAULTS = {
 
 
 def apply_defaults() -> None:
-    """Set the defaults above where the user has not set them."""
+    """Set the defaults above where the user has not set them.
+
+    Prefect's task-result records (our cache records: small ArtifactRefs) go inside the default artifact store, so
+    deleting the store deletes its cache records with it.
+    """
     for name, value in DEFAULTS.items():
         os.environ.setdefault(name, value)
+    store = os.path.abspath(os.environ.get("POSTTRAIN_STORE") or ".posttrain")
+    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", os.path.join(store, "prefect-results"))

@@ -53,6 +53,20 @@ def key_for(stage: str, cfg: BaseModel, inputs: Mapping[str, ArtifactRef]) -> st
     return stage_key(stage, cfg, list(inputs.values()))
 
 
+def check_inputs(stage: str, inputs: Mapping[str, ArtifactRef], store: ArtifactStore) -> None:
+    """Every input must still be what its ref says: present in the store, or (external) unchanged on disk."""
+    for name, ref in inputs.items():
+        if ref.external:
+            now = store.register_external(ref.uri, kind=ref.kind).digest
+            if now != ref.digest:
+                raise ValueError(f"{stage}: input '{name}' at {ref.uri} changed since it was registered; re-run from the start")
+        elif store.get(ref.key) is None:
+            raise FileNotFoundError(
+                f"{stage}: input '{name}' (artifact {ref.key[:12]}) is not in the store {store.root}; "
+                "artifacts are never deleted by posttrain: was the store modified by hand?"
+            )
+
+
 def run_stage(
     stage: str,
     cfg: BaseModel,
@@ -73,6 +87,7 @@ def run_stage(
         build: writes the content into `ctx.outdir`; may checkpoint into `ctx.workdir` and resume from it.
         schema_kind: for datasets, the Arrow schema kind.
     """
+    check_inputs(stage, inputs, store)
     key = key_for(stage, cfg, inputs)
     cached = store.get(key)
     if cached is not None:

@@ -34,18 +34,15 @@ def is_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 def stage_cache(key_of: Callable[[dict[str, Any], ArtifactStore], str]) -> Callable[[Any, dict[str, Any]], str | None]:
-    """A Prefect `cache_key_fn` equal to the core stage key.
+    """A Prefect `cache_key_fn` equal to the core stage key (plus the store's identity).
 
-    Returns None (no caching) unless the store really holds the artifact, so a Prefect cache record can never hand
-    back a ref to an artifact that was deleted; the store is part of the key so two stores never share records.
+    The store is part of the key, so two stores never share records; Prefect's result records live inside the
+    default store (`env.apply_defaults`), so wiping the store wipes them too.
     """
 
     def cache_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
         store = store_at(parameters.get("store_root"))
-        key = key_of(parameters, store)
-        if store.get(key) is None:
-            return None
-        return f"{key}-{hashlib.sha256(str(store.root).encode()).hexdigest()[:12]}"
+        return f"{key_of(parameters, store)}-{hashlib.sha256(str(store.root).encode()).hexdigest()[:12]}"
 
     return cache_key_fn
 

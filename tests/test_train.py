@@ -47,7 +47,7 @@ def test_killed_worker_resumes_from_last_in_stage_checkpoint(prefect_api, ray_se
 
     @flow
     def resume_flow(root: str):
-        return sft(cfg, data, base, root, return_state=True)
+        return sft(cfg, data.sft, base, root, return_state=True)
 
     root = str(tmp_path / "resume-store")
     monkeypatch.setenv("POSTTRAIN_FAIL_AFTER_STEP", "10")
@@ -71,6 +71,6 @@ def test_killed_worker_resumes_from_last_in_stage_checkpoint(prefect_api, ray_se
     # An uninterrupted run (other store, same key) reaches the same losses: data position, optimizer, scheduler
     # and RNG state were all restored.
     clean = ArtifactStore(tmp_path / "clean-store")
-    clean_ref = run_sft(cfg, data, base, clean)
+    clean_ref = run_sft(cfg, data.sft, base, clean)
     assert clean_ref.key == ref.key
     assert _history(clean, clean_ref)[10:] == pytest.approx(manifest["loss_history"], rel=1e-4, abs=1e-5)
