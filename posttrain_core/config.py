@@ -71,7 +71,7 @@ class TrainConfig(_Config):
     """One data-parallel training loop on Ray workers (SFT and continued pretraining share it)."""
 
     num_workers: int = Field(2, ge=1, description="Ray workers (torch.distributed data-parallel ranks)")
-    max_steps: int = Field(300, ge=1, description="optimizer steps")
+    max_steps: int = Field(600, ge=1, description="optimizer steps")
     global_batch_size: int = Field(32, ge=1, description="sequences per optimizer step, summed over workers")
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward pass on one worker")
     lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
@@ -138,3 +138,56 @@ class SFTFlowConfig(_Config):
     )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised fine-tuning")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+
+
+class RewardModelConfig(TrainConfig):
+    """Bradley-Terry reward model: a scalar head on the last non-pad token of a causal LM backbone."""
+
+    max_steps: int = Field(200, ge=1, description="optimizer steps")
+    margin: float = Field(0.0, ge=0, description="loss = -log sigmoid(r_chosen - r_rejected - margin)")
+    eval_pairs: int = Field(200, ge=0, description="held-out pairs for pairwise accuracy (taken from the data)")
+
+
+class DPOConfig(TrainConfig):
+    """Direct preference optimisation from a reference (the base) model; IPO and cDPO as variants."""
+
+    max_steps: int = Field(200, ge=1, description="optimizer steps")
+    lr: float = Field(5e-4, gt=0, description="peak learning rate (AdamW)")
+    beta: float = Field(0.1, gt=0, description="inverse temperature of the implicit reward")
+    loss_type: Literal["sigmoid", "ipo", "cdpo"] = Field("sigmoid", description="DPO, IPO or label-smoothed cDPO")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="cDPO: probability that a label is flipped")
+    eval_pairs: int = Field(200, ge=0, description="held-out pairs for reward accuracy/margin")
+
+
+class RolloutConfig(_Config):
+    """Sampling n responses per prompt on a pool of engine actors."""
+
+    engine: Literal["hf", "vllm"] = Field("hf", description="hf = transformers generate (CPU/GPU); vllm = vLLM")
+    n: int = Field(4, ge=1, description="samples per prompt")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    max_tokens: int = Field(32, ge=1, description="generated tokens per sample")
+    stop: list[str] = Field(default_factory=list, description="extra stop strings (eos always stops)")
+    seed: int = Field(0, description="sampling seed: same seed, same samples")
+    num_engines: int = Field(2, ge=1, description="engine actors")
+    batch_size: int = Field(32, ge=1, description="prompts per engine call")
+    max_prompts: int | None = Field(None, ge=1, description="use only the first N prompts")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine weights dtype")
+    vllm_python: str | None = Field(
+        None, description="python of the vLLM environment (default: $POSTTRAIN_VLLM_PYTHON or .venv-vllm/bin/python)"
+    )
+
+
+class ScoreConfig(_Config):
+    """Rewards for rollouts: weighted verifiers, a reward model and shaping terms, each kept as its own column."""
+
+    verifiers: dict[str, float] = Field(
+        default_factory=lambda: {"exact_match": 1.0}, description="verifier name -> weight (exact_match, numeric, regex)"
+    )
+    regex: str | None = Field(None, description="pattern for the regex (format) verifier")
+    reward_model_weight: float = Field(0.0, description="weight of the reward model's score (needs a reward model)")
+    overlong_max_tokens: int | None = Field(None, ge=1, description="DAPO overlong shaping: length budget L_max")
+    overlong_buffer: int = Field(8, ge=1, description="DAPO overlong shaping: soft buffer L_buf")
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at L_max")
+    num_workers: int = Field(2, ge=1, description="reward-model scoring actors")
+    batch_size: int = Field(64, ge=1, description="rollouts per reward-model forward")

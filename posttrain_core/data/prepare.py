@@ -131,6 +131,7 @@ def run_prepare_data(cfg: DataConfig, store: ArtifactStore) -> DataRefs:
                 "inputs": [{"name": n, **r.model_dump()} for n, r in inputs.items()],
                 "mlflow_run_id": tracker.run_id,
                 "num_rows": info["num_rows"],
+                "metrics": {"num_rows": float(info["num_rows"])},
                 "arrow_schema": info["schema"],
             }
             refs[name] = store.publish(keys[name], "dataset", out, manifest, schema_kind=kind)
