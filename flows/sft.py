@@ -29,7 +29,10 @@ def sft_flow(config: SFTFlowConfig = SFTFlowConfig()) -> dict[str, Any]:  # noqa
     store = ArtifactStore(config.store)
     root = str(store.root)
     with tracking.flow_run(
-        root, config.experiment, name=f"sft/{flow_run.name}", tags={"prefect.flow_run_id": flow_run.id, "posttrain.flow": "sft"}
+        root,
+        config.experiment,
+        name=f"sft/{flow_run.name}",
+        tags={"prefect.flow_run_id": flow_run.id, "posttrain.flow": "sft"},
     ) as run:
         run.log_params(config.model_dump(mode="json"))
         pid = run.run_id

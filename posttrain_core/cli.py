@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ls":
         for ref in sorted(store.list(args.kind), key=lambda r: store.manifest(r).get("created", "")):
             m = store.manifest(ref)
-            print(f"{ref.key[:12]}  {ref.kind:7s}  {(ref.schema_kind or '-'):11s}  {m.get('stage', '-'):22s}  "
-                  f"{m.get('created', '')}  {ref.uri}")
+            print(
+                f"{ref.key[:12]}  {ref.kind:7s}  {(ref.schema_kind or '-'):11s}  {m.get('stage', '-'):22s}  "
+                f"{m.get('created', '')}  {ref.uri}"
+            )
     elif args.command == "show":
         print(json.dumps(store.manifest(_find(store, args.key)), indent=2))
     elif args.command == "lineage":

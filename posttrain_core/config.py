@@ -71,7 +71,7 @@ class TrainConfig(_Config):
     """One data-parallel training loop on Ray workers (SFT and continued pretraining share it)."""
 
     num_workers: int = Field(2, ge=1, description="Ray workers (torch.distributed data-parallel ranks)")
-    max_steps: int = Field(600, ge=1, description="optimizer steps")
+    max_steps: int = Field(1000, ge=1, description="optimizer steps")
     global_batch_size: int = Field(32, ge=1, description="sequences per optimizer step, summed over workers")
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward pass on one worker")
     lr: float = Field(3e-3, gt=0, description="peak learning rate (AdamW)")
@@ -182,7 +182,8 @@ class ScoreConfig(_Config):
     """Rewards for rollouts: weighted verifiers, a reward model and shaping terms, each kept as its own column."""
 
     verifiers: dict[str, float] = Field(
-        default_factory=lambda: {"exact_match": 1.0}, description="verifier name -> weight (exact_match, numeric, regex)"
+        default_factory=lambda: {"exact_match": 1.0},
+        description="verifier name -> weight (exact_match, numeric, regex)",
     )
     regex: str | None = Field(None, description="pattern for the regex (format) verifier")
     reward_model_weight: float = Field(0.0, description="weight of the reward model's score (needs a reward model)")

@@ -59,7 +59,9 @@ def check_inputs(stage: str, inputs: Mapping[str, ArtifactRef], store: ArtifactS
         if ref.external:
             now = store.register_external(ref.uri, kind=ref.kind).digest
             if now != ref.digest:
-                raise ValueError(f"{stage}: input '{name}' at {ref.uri} changed since it was registered; re-run from the start")
+                raise ValueError(
+                    f"{stage}: input '{name}' at {ref.uri} changed since it was registered; re-run from the start"
+                )
         elif store.get(ref.key) is None:
             raise FileNotFoundError(
                 f"{stage}: input '{name}' (artifact {ref.key[:12]}) is not in the store {store.root}; "

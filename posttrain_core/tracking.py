@@ -166,8 +166,8 @@ def stage_run(
 
 def log_inputs(logger: RunLogger, inputs: Mapping[str, Any]) -> None:
     """Record the stage's input artifacts as MLflow dataset inputs (name, uri, digest; context = input name)."""
-    from mlflow.data.sources import LocalArtifactDatasetSource
     from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
     from mlflow.entities import DatasetInput, InputTag
 
     datasets = []

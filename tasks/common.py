@@ -26,9 +26,17 @@ def is_transient(task: Any, task_run: Any, state: Any) -> bool:
     if isinstance(exc, ValueError | TypeError | FileNotFoundError | KeyError | NotImplementedError):
         return False
     try:
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayActorError, WorkerCrashedError
+        from ray.exceptions import (
+            ActorDiedError,
+            ActorUnavailableError,
+            NodeDiedError,
+            RayActorError,
+            WorkerCrashedError,
+        )
 
-        return isinstance(exc, RayActorError | ActorDiedError | ActorUnavailableError | WorkerCrashedError | NodeDiedError)
+        return isinstance(
+            exc, RayActorError | ActorDiedError | ActorUnavailableError | WorkerCrashedError | NodeDiedError
+        )
     except ImportError:
         return False
 

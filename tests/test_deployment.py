@@ -60,15 +60,20 @@ def test_deploy_and_run_from_the_cli(tmp_path, tiny_config):
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
         [BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     worker = None
     try:
         _wait_healthy(f"{api}/health", server)
 
         def cli(*args: str, timeout: float = 120) -> str:
-            r = subprocess.run([BIN / "prefect", *args], env=env, cwd=REPO, capture_output=True, text=True,
-                               timeout=timeout)
+            r = subprocess.run(
+                [BIN / "prefect", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+            )
             assert r.returncode == 0, f"prefect {' '.join(args)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
             return r.stdout + r.stderr
 
@@ -82,13 +87,25 @@ def test_deploy_and_run_from_the_cli(tmp_path, tiny_config):
 
         worker = subprocess.Popen(
             [BIN / "prefect", "worker", "start", "--pool", "posttrain-local", "--limit", "1"],
-            env=env, cwd=REPO, stdout=(tmp_path / "worker.log").open("w"), stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            stdout=(tmp_path / "worker.log").open("w"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         store = tmp_path / "store"
         params = {"config": tiny_config.model_copy(update={"store": str(store)}).model_dump(mode="json")}
-        out = cli("deployment", "run", "sft/demo", "--params", json.dumps(params), "--watch",
-                  "--watch-timeout", "480", timeout=540)
+        out = cli(
+            "deployment",
+            "run",
+            "sft/demo",
+            "--params",
+            json.dumps(params),
+            "--watch",
+            "--watch-timeout",
+            "480",
+            timeout=540,
+        )
         assert "Completed" in out, out[-2000:] + (tmp_path / "worker.log").read_text()[-4000:]
 
         stages = {ArtifactStore(store).manifest(r).get("stage") for r in ArtifactStore(store).list()}

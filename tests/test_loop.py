@@ -42,12 +42,27 @@ def test_bf16_training_and_resume_in_process(tiny_inputs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     store, data, base = tiny_inputs
-    common = dict(global_batch_size=8, micro_batch_size=4, max_seq_len=64, warmup_steps=0, checkpoint_every=2,
-                  log_every=1, num_workers=1, dtype="bfloat16", lr=1e-2)
+    common = dict(
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_seq_len=64,
+        warmup_steps=0,
+        checkpoint_every=2,
+        log_every=1,
+        num_workers=1,
+        dtype="bfloat16",
+        lr=1e-2,
+    )
 
     def job(max_steps: int, out: str) -> TrainJob:
-        return TrainJob("sft", SFTConfig(max_steps=max_steps, **common), str(store.local_path(data.sft)),
-                        str(store.local_path(base)), str(tmp_path / "work"), str(tmp_path / out))
+        return TrainJob(
+            "sft",
+            SFTConfig(max_steps=max_steps, **common),
+            str(store.local_path(data.sft)),
+            str(store.local_path(base)),
+            str(tmp_path / "work"),
+            str(tmp_path / out),
+        )
 
     first = train_loop(job(3, "out1"), rank=0, world=1)
     assert first["resumed_from_step"] == 0 and len(first["loss_history"]) == 3

@@ -22,9 +22,7 @@ def _stage_runs(parent_run_id):
 
     client = MlflowClient()
     parent = client.get_run(parent_run_id)
-    return client.search_runs(
-        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'"
-    )
+    return client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
 def test_sft_flow_trains_tracks_and_caches(prefect_api, ray_session, tiny_config):
@@ -97,8 +95,14 @@ def test_sft_flow_on_user_model_folder_and_jsonl_with_lora(prefect_api, ray_sess
         data=DataConfig(train_path=str(chats), n_eval=16),
         pretrain=None,
         sft=SFTConfig(
-            max_steps=6, global_batch_size=8, micro_batch_size=4, max_seq_len=64, lr=1e-2, warmup_steps=0,
-            lora=LoraConfig(r=4, alpha=8), checkpoint_every=0,
+            max_steps=6,
+            global_batch_size=8,
+            micro_batch_size=4,
+            max_seq_len=64,
+            lr=1e-2,
+            warmup_steps=0,
+            lora=LoraConfig(r=4, alpha=8),
+            checkpoint_every=0,
         ),
         eval=EvalConfig(max_new_tokens=4),
     )

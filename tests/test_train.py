@@ -19,8 +19,16 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tiny
     from posttrain_core.train.sft import run_sft
 
     store, data, base = tiny_inputs
-    common = dict(max_steps=4, global_batch_size=8, micro_batch_size=4, max_seq_len=64, warmup_steps=0,
-                  checkpoint_every=0, lr=1e-2, log_every=1)
+    common = dict(
+        max_steps=4,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_seq_len=64,
+        warmup_steps=0,
+        checkpoint_every=0,
+        lr=1e-2,
+        log_every=1,
+    )
     one = run_sft(SFTConfig(num_workers=1, **common), data.sft, base, store)
     two = run_sft(SFTConfig(num_workers=2, **common), data.sft, base, store)
     h1, h2 = _history(store, one), _history(store, two)
@@ -32,7 +40,9 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tiny
         assert (p1 - p2).abs().max().item() < 1e-4, n
 
 
-def test_killed_worker_resumes_from_last_in_stage_checkpoint(prefect_api, ray_session, tiny_inputs, tmp_path, monkeypatch):
+def test_killed_worker_resumes_from_last_in_stage_checkpoint(
+    prefect_api, ray_session, tiny_inputs, tmp_path, monkeypatch
+):
     """Rank 0 really exits (os._exit) after step 10's checkpoint; Prefect retries the task; the retry resumes at 10
     and ends exactly where an uninterrupted run ends."""
     from prefect import flow
@@ -42,8 +52,15 @@ def test_killed_worker_resumes_from_last_in_stage_checkpoint(prefect_api, ray_se
     from tasks.train import sft
 
     store, data, base = tiny_inputs
-    cfg = SFTConfig(max_steps=20, global_batch_size=16, micro_batch_size=8, max_seq_len=64, checkpoint_every=5,
-                    warmup_steps=2, log_every=5)
+    cfg = SFTConfig(
+        max_steps=20,
+        global_batch_size=16,
+        micro_batch_size=8,
+        max_seq_len=64,
+        checkpoint_every=5,
+        warmup_steps=2,
+        log_every=5,
+    )
 
     @flow
     def resume_flow(root: str):

@@ -80,7 +80,7 @@ def tokenize_chat(tokenizer: Any, messages: list[dict], max_length: int | None =
     input_ids, offsets = _encode_with_offsets(tokenizer, text)
     starts = [s for s, _ in spans]
     labels = []
-    for token, (start, _end) in zip(input_ids, offsets):
+    for token, (start, _end) in zip(input_ids, offsets, strict=True):
         k = bisect.bisect_right(starts, start) - 1
         labels.append(token if k >= 0 and start < spans[k][1] else IGNORE_INDEX)
     if max_length is not None:

@@ -207,7 +207,7 @@ def validate_table(table: pa.Table, kind: str, source: str = "dataset") -> pa.Ta
         columns.append(col)
         fields.append(field)
 
-    by_name = dict(zip(schema.names, columns))
+    by_name = dict(zip(schema.names, columns, strict=True))
     for name in _MESSAGE_COLUMNS.get(kind, ()):
         _check_messages(by_name[name].combine_chunks(), name, kind, source)
     for name in _JSON_COLUMNS.get(kind, ()):

@@ -152,9 +152,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
         if rank == 0:
             print(f"[{job.stage}] resuming from in-stage checkpoint {ckpts[-1].name} (step {start_step})", flush=True)
 
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
-    )
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
     history: list[float] = []
     tokens_seen, compute_s, t_start = 0, 0.0, time.time()
     for step in range(start_step, cfg.max_steps):
@@ -171,7 +169,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
         for j, mb in enumerate(micro):
             sync = world == 1 or j == len(micro) - 1
             ids, labels, mask = collate([examples[i] for i in mb], pad_id)
-            with (contextlib.nullcontext() if sync else ddp.no_sync()), autocast:
+            with contextlib.nullcontext() if sync else ddp.no_sync(), autocast:
                 logits = ddp(input_ids=ids, attention_mask=mask).logits
                 ce = F.cross_entropy(
                     logits[:, :-1].float().reshape(-1, logits.shape[-1]),

@@ -67,7 +67,12 @@ def _run_training(
         )
         log.info(
             "%s: %d workers, %d steps, global batch %d (micro %d x accum %d)",
-            stage, cfg.num_workers, cfg.max_steps, cfg.global_batch_size, cfg.micro_batch_size, cfg.grad_accum_steps,
+            stage,
+            cfg.num_workers,
+            cfg.max_steps,
+            cfg.global_batch_size,
+            cfg.micro_batch_size,
+            cfg.grad_accum_steps,
         )
         group = WorkerGroup(TrainWorker, cfg.num_workers)
         try:
