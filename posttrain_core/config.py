@@ -107,7 +107,9 @@ class TrainConfig(_Config):
 class PretrainConfig(TrainConfig):
     """Continued pretraining: packed raw text, every token trained on."""
 
-    max_steps: int = Field(150, ge=1, description="optimizer steps")
+    max_steps: int = Field(50, ge=1, description="optimizer steps")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+    warmup_steps: int = Field(10, ge=0, description="linear warm-up steps")
 
 
 class SFTConfig(TrainConfig):
