@@ -62,11 +62,19 @@ def check_inputs(stage: str, inputs: Mapping[str, ArtifactRef], store: ArtifactS
                 raise ValueError(
                     f"{stage}: input '{name}' at {ref.uri} changed since it was registered; re-run from the start"
                 )
-        elif store.get(ref.key) is None:
+        elif store.get(ref.key) is None and not _complete_at(ref.uri):
             raise FileNotFoundError(
-                f"{stage}: input '{name}' (artifact {ref.key[:12]}) is not in the store {store.root}; "
+                f"{stage}: input '{name}' (artifact {ref.key[:12]}) is missing at {ref.uri}; "
                 "artifacts are never deleted by posttrain: was the store modified by hand?"
             )
+
+
+def _complete_at(uri: str) -> bool:
+    """An artifact of another store is usable as an input when its manifest is there."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs.exists(f"{path.rstrip('/')}/manifest.json")
 
 
 def run_stage(
