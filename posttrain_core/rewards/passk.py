@@ -1,0 +1,96 @@
+"""pass@k: the unbiased estimator over n samples per problem, and a helper that samples, scores and reports it.
+
+pass@k = E_problems[1 - C(n - c, k) / C(n, k)] (Chen et al. 2021, "Evaluating Large Language Models Trained on Code").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+    from posttrain_core.config import RolloutConfig, ScoreConfig
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem with c correct out of n samples: 1 - C(n - c, k) / C(n, k).
+
+    Computed as the stable product 1 - prod_{i = n-c+1}^{n} (1 - k / i) (no huge binomials); 1.0 when n - c < k
+    (every k-subset holds a correct sample).
+
+    Example: n=5, c=2: k=1 -> 0.4, k=2 -> 1 - (1 - 2/4)(1 - 2/5) = 0.7.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_k_table(scored: pa.Table, ks: Sequence[int]) -> dict[str, float]:
+    """Mean pass@k over the prompts of a `scored_rollouts` table (from its `correct` column).
+
+    Samples whose `correct` is null (a prompt without an answer) are left out; every prompt must have >= max(ks)
+    samples.
+
+    Returns:
+        {"pass@k": value for each k, "num_prompts": prompts counted}.
+    """
+    groups: dict[str, list[bool]] = {}
+    for pid, ok in zip(scored.column("prompt_id").to_pylist(), scored.column("correct").to_pylist(), strict=True):
+        if ok is not None:
+            groups.setdefault(pid, []).append(bool(ok))
+    if not groups:
+        raise ValueError("pass@k: no sample has a verifier outcome (do the prompts have answers?)")
+    out: dict[str, float] = {}
+    for k in ks:
+        short = next((p for p, xs in groups.items() if len(xs) < k), None)
+        if short is not None:
+            raise ValueError(f"pass@{k}: prompt {short!r} has only {len(groups[short])} samples")
+        out[f"pass@{k}"] = sum(pass_at_k(len(xs), sum(xs), k) for xs in groups.values()) / len(groups)
+    out["num_prompts"] = float(len(groups))
+    return out
+
+
+def run_pass_at_k(
+    rollout_cfg: RolloutConfig,
+    score_cfg: ScoreConfig,
+    prompts: ArtifactRef,
+    policy: ArtifactRef,
+    store: ArtifactStore,
+    ks: Sequence[int] | None = None,
+    reward_model: ArtifactRef | None = None,
+) -> dict[str, float]:
+    """Sample n = rollout_cfg.n responses per prompt (`run_rollout`), score them (`run_score`), report pass@k.
+
+    Both stages are cached artifacts, so asking again for other ks costs nothing. Use temperature > 0: greedy
+    samples are all equal and pass@k collapses to pass@1.
+
+    Args:
+        ks: the k values, each 1 <= k <= n; default (1, n).
+
+    Returns:
+        {"pass@1": ..., "pass@<k>": ..., "num_prompts": ...}.
+    """
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.rewards.score import ANSWER_VERIFIERS, check_score_config, run_score
+    from posttrain_core.rollout.stage import run_rollout
+
+    n = rollout_cfg.n
+    ks = tuple(ks) if ks is not None else tuple(dict.fromkeys((1, n)))
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad or not ks:
+        raise ValueError(f"pass@k: every k must be within 1..RolloutConfig.n ({n}), got {list(ks)}")
+    if not any(v in score_cfg.verifiers for v in ANSWER_VERIFIERS):
+        raise ValueError(
+            f"pass@k: ScoreConfig.verifiers {sorted(score_cfg.verifiers)} has no answer verifier "
+            f"({' or '.join(ANSWER_VERIFIERS)}) to decide what is correct"
+        )
+    check_score_config(score_cfg, reward_model is not None)
+    rollouts = run_rollout(rollout_cfg, prompts, policy, store)
+    scored = run_score(score_cfg, rollouts, store, reward_model=reward_model)
+    return pass_at_k_table(read_dataset(store.local_path(scored), "scored_rollouts"), ks)

@@ -1,0 +1,299 @@
+"""The score stage: rollouts -> scored rollouts, with every reward term kept as its own component.
+
+Components (raw, unweighted values in `reward_components`): one per verifier of `ScoreConfig.verifiers`
+(`exact_match`, `numeric`, `regex`), `reward_model` (a reward model's score, batched on Ray actors) and `overlong`
+(DAPO shaping). `reward` = sum_v w_v * verifier_v + reward_model_weight * reward_model + overlong.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from posttrain_core.rewards.shaping import overlong_penalty
+
+if TYPE_CHECKING:
+    from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+    from posttrain_core.config import ScoreConfig
+
+log = logging.getLogger(__name__)
+
+STAGE = "score"
+ANSWER_VERIFIERS = ("exact_match", "numeric")  # compare with the row's answer; they decide `correct`
+RM_COMPONENT, OVERLONG_COMPONENT = "reward_model", "overlong"
+
+# A reward model given to `score_rollouts`: precomputed scores (one per row), or fn(prompts, responses) -> scores.
+RewardModelScores = Sequence[float] | Callable[[list[list[dict]], list[str]], Sequence[float]]
+
+
+def check_score_config(cfg: ScoreConfig, has_reward_model: bool) -> None:
+    """Config errors, raised before any work: unknown verifiers, a regex verifier without a valid pattern, a reward
+    model weight without a reward model, an overlong buffer larger than the budget."""
+    from posttrain_core.data.synthetic import VERIFIERS
+
+    unknown = [v for v in cfg.verifiers if v not in VERIFIERS]
+    if unknown:
+        raise ValueError(f"ScoreConfig.verifiers: unknown {unknown}; known: {', '.join(VERIFIERS)}")
+    if not cfg.verifiers and not has_reward_model and cfg.overlong_max_tokens is None:
+        raise ValueError("ScoreConfig: no reward term (no verifier, no reward model, no shaping)")
+    if "regex" in cfg.verifiers:
+        if not cfg.regex:
+            raise ValueError("ScoreConfig.verifiers has 'regex' but ScoreConfig.regex (the pattern) is empty")
+        try:
+            re.compile(cfg.regex)
+        except re.error as err:
+            raise ValueError(f"ScoreConfig.regex {cfg.regex!r} is not a valid pattern ({err})") from None
+    if cfg.reward_model_weight != 0 and not has_reward_model:
+        raise ValueError(f"ScoreConfig.reward_model_weight is {cfg.reward_model_weight} but no reward model was given")
+    if cfg.overlong_max_tokens is not None and cfg.overlong_buffer > cfg.overlong_max_tokens:
+        raise ValueError(
+            f"ScoreConfig.overlong_buffer ({cfg.overlong_buffer}) exceeds overlong_max_tokens "
+            f"({cfg.overlong_max_tokens}): expected length L_max - L_buf would be negative"
+        )
+
+
+def _verify(name: str, response: Any, answer: Any, pattern: str | None) -> dict:
+    """A verifier's outcome; anything it raises on a malformed row counts as a parse failure with reward 0."""
+    from posttrain_core.data.synthetic import VERIFIERS
+
+    try:
+        v = VERIFIERS[name](response, pattern if name == "regex" else answer)
+        reward = float(v["reward"])
+        if not math.isfinite(reward):
+            raise ValueError(f"non-finite reward {reward}")
+        return {"reward": reward, "correct": bool(v["correct"]), "parse_failed": bool(v["parse_failed"])}
+    except Exception as err:  # noqa: BLE001 - verifiers must never crash a stage
+        log.debug("verifier %s failed on %r: %s", name, response, err)
+        return {"reward": 0.0, "correct": False, "parse_failed": True}
+
+
+def score_rollouts(table: pa.Table, cfg: ScoreConfig, rm: RewardModelScores | None = None) -> pa.Table:
+    """Score a `rollouts` table; returns it as `scored_rollouts` (input columns kept, in the same row order).
+
+    Per row: each verifier of `cfg.verifiers` on (response_text, answer) (the regex verifier on (response_text,
+    cfg.regex)); the reward model's score if `rm` is given; DAPO overlong shaping on len(response_ids) if
+    `cfg.overlong_max_tokens` is set. Each is stored raw under its name in `reward_components`; `reward` is the
+    weighted sum (weights: `cfg.verifiers[name]`, `cfg.reward_model_weight`; the shaping term is added as is,
+    its scale being `cfg.overlong_penalty`).
+
+    `correct` is the outcome of the first answer verifier (exact_match / numeric) in `cfg.verifiers`, null when
+    there is none or the row has no answer; `parse_failed` is true when any verifier could not parse the response.
+    Malformed responses or answers never raise: they score 0 and count as parse failures.
+
+    Args:
+        table: a `rollouts` table.
+        cfg: weights and shaping.
+        rm: the reward model's scores, one per row in order, or a function (prompts, responses) -> scores that gets
+            every row's `messages` (needs that column, which `run_rollout` keeps) and `response_text`.
+
+    Returns:
+        The `scored_rollouts` table.
+    """
+    from posttrain_core.data.schemas import validate_table
+
+    check_score_config(cfg, rm is not None)
+    table = validate_table(table, "rollouts", source="score_rollouts")
+    responses = table.column("response_text").to_pylist()
+    answers = table.column("answer").to_pylist()
+    n = table.num_rows
+    components: list[dict[str, float]] = [{} for _ in range(n)]
+    rewards = [0.0] * n
+    correct: list[bool | None] = [None] * n
+    parse_failed = [False] * n
+    primary = next((v for v in cfg.verifiers if v in ANSWER_VERIFIERS), None)
+    for name, weight in cfg.verifiers.items():
+        for i in range(n):
+            v = _verify(name, responses[i], answers[i], cfg.regex)
+            components[i][name] = v["reward"]
+            rewards[i] += weight * v["reward"]
+            parse_failed[i] = parse_failed[i] or v["parse_failed"]
+            if name == primary and answers[i] is not None:
+                correct[i] = v["correct"]
+    if rm is not None:
+        if callable(rm):
+            if "messages" not in table.column_names:
+                raise ValueError("score_rollouts: reward-model scoring needs the prompts' `messages` column")
+            scores = list(rm(table.column("messages").to_pylist(), responses))
+        else:
+            scores = list(rm)
+        if len(scores) != n:
+            raise ValueError(f"score_rollouts: {len(scores)} reward-model scores for {n} rollouts")
+        for i, s in enumerate(scores):
+            s = float(s)
+            if not math.isfinite(s):
+                raise ValueError(f"score_rollouts: row {i}: the reward model's score is {s}")
+            components[i][RM_COMPONENT] = s
+            rewards[i] += cfg.reward_model_weight * s
+    if cfg.overlong_max_tokens is not None:
+        lengths = [len(x) for x in table.column("response_ids").to_pylist()]
+        terms = overlong_penalty(lengths, cfg.overlong_max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        for i, t in enumerate(terms):
+            components[i][OVERLONG_COMPONENT] = t
+            rewards[i] += t
+    scored = (
+        table.append_column("reward", pa.array(rewards, pa.float32()))
+        .append_column(
+            "reward_components",
+            pa.array([list(c.items()) for c in components], pa.map_(pa.string(), pa.float32())),
+        )
+        .append_column("correct", pa.array(correct, pa.bool_()))
+        .append_column("parse_failed", pa.array(parse_failed, pa.bool_()))
+    )
+    return validate_table(scored, "scored_rollouts", source="score_rollouts")
+
+
+def summarize_scores(scored: pa.Table) -> dict[str, float]:
+    """Manifest metrics: reward mean/std, accuracy, parse failures (count and rate), each component's mean."""
+    rewards = scored.column("reward").to_pylist()
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
+    outcomes = [c for c in scored.column("correct").to_pylist() if c is not None]
+    failures = sum(scored.column("parse_failed").to_pylist())
+    metrics = {
+        "samples": float(n),
+        "reward_mean": mean,
+        "reward_std": std,
+        "parse_failures": float(failures),
+        "parse_failure_rate": failures / n,
+    }
+    if outcomes:
+        metrics["accuracy"] = sum(outcomes) / len(outcomes)
+    sums: dict[str, float] = {}
+    for row in scored.column("reward_components").to_pylist():
+        for name, value in row:
+            sums[name] = sums.get(name, 0.0) + value
+    metrics.update({f"reward/{name}": total / n for name, total in sorted(sums.items())})
+    return metrics
+
+
+class RewardModelWorker:
+    """Ray Data callable class: a reward model per actor; a batch of (messages, response_text) -> scores."""
+
+    def __init__(self, model_path: str, batch_size: int, num_threads: int | None = None):
+        import torch
+
+        from posttrain_core.models.reward import load_reward_model
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model, self.tokenizer = load_reward_model(model_path)
+        self.batch_size = batch_size
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from posttrain_core.models.reward import reward_scores
+
+        scores = reward_scores(
+            self.model,
+            self.tokenizer,
+            batch.column("messages").to_pylist(),
+            batch.column("response_text").to_pylist(),
+            batch_size=self.batch_size,
+        )
+        return pa.table({"_row": batch.column("_row"), "score": pa.array(scores, pa.float64())})
+
+
+def score_inputs(rollouts: ArtifactRef, reward_model: ArtifactRef | None) -> dict[str, ArtifactRef]:
+    """The stage's named inputs (part of its key; the Prefect task's cache key uses the same)."""
+    return {"rollouts": rollouts} if reward_model is None else {"rollouts": rollouts, "reward_model": reward_model}
+
+
+def _ray_reward_scores(table: pa.Table, cfg: ScoreConfig, model_path: str) -> list[float]:
+    """Reward-model scores of every row, on `cfg.num_workers` actors fed by Ray Data, in row order."""
+    import ray
+
+    from posttrain_core.cluster import connect
+
+    connect()
+    rows = table.select(["messages", "response_text"]).append_column(
+        "_row", pa.array(range(table.num_rows), pa.int64())
+    )
+    cpus = float(ray.cluster_resources().get("CPU", 1))
+    ds = ray.data.from_arrow(rows).repartition(target_num_rows_per_block=cfg.batch_size)
+    ds = ds.map_batches(
+        RewardModelWorker,
+        fn_constructor_kwargs=dict(
+            model_path=model_path,
+            batch_size=cfg.batch_size,
+            num_threads=max(1, (os.cpu_count() or 1) // cfg.num_workers),
+        ),
+        compute=ray.data.ActorPoolStrategy(size=cfg.num_workers),
+        batch_size=cfg.batch_size,
+        batch_format="pyarrow",
+        num_cpus=max(0.1, min(1.0, (cpus - 1) / cfg.num_workers)),  # leave Ray Data a CPU (see rollout stage)
+    )
+    out = pa.concat_tables([t for t in ray.get(ds.to_arrow_refs()) if t.num_rows])
+    if sorted(out.column("_row").to_pylist()) != list(range(table.num_rows)):
+        raise RuntimeError(f"{STAGE}: reward-model scoring returned {out.num_rows} scores for {table.num_rows} rows")
+    return out.sort_by("_row").column("score").to_pylist()
+
+
+def _column_names(store: ArtifactStore, ref: ArtifactRef) -> list[str]:
+    """Column names of a dataset artifact, from its first parquet file's footer (no data read)."""
+    import pyarrow.parquet as pq
+
+    from posttrain_core.data.io import parquet_files
+
+    return pq.read_schema(parquet_files(store.local_path(ref))[0]).names
+
+
+def run_score(
+    cfg: ScoreConfig, rollouts: ArtifactRef, store: ArtifactStore, reward_model: ArtifactRef | None = None
+) -> ArtifactRef:
+    """Score a `rollouts` dataset (`score_rollouts`); publish a `scored_rollouts` dataset.
+
+    Verifiers and shaping run in the driver (cheap string and length checks); the reward model, if given, scores
+    on `cfg.num_workers` Ray actors in batches of `cfg.batch_size`. Manifest metrics: `summarize_scores`.
+
+    Args:
+        cfg: weights, shaping and the reward-model actors.
+        rollouts: a `rollouts` dataset (from `run_rollout`: it keeps the prompts' `messages`, needed by an RM).
+        store: the artifact store.
+        reward_model: a reward model folder (from the reward-model stage), or None.
+    """
+    from posttrain_core.data.io import read_dataset, write_dataset
+    from posttrain_core.stage import StageContext, StageOutput, run_stage
+
+    if rollouts.kind != "dataset" or rollouts.schema_kind != "rollouts":
+        raise ValueError(f"{STAGE}: input must be a 'rollouts' dataset, got {rollouts.kind} '{rollouts.schema_kind}'")
+    check_score_config(cfg, reward_model is not None)
+    if reward_model is not None:
+        from posttrain_core.models.loading import check_model_path
+
+        if reward_model.kind != "model":
+            raise ValueError(f"{STAGE}: reward_model must be a model, got a {reward_model.kind} at {reward_model.uri}")
+        check_model_path(store.local_path(reward_model))
+        if "messages" not in _column_names(store, rollouts):
+            raise ValueError(
+                f"{STAGE}: {rollouts.uri} has no `messages` column (the prompts), which reward-model scoring needs; "
+                "rollouts from run_rollout keep it"
+            )
+
+    def build(ctx: StageContext) -> StageOutput:
+        table = read_dataset(store.local_path(rollouts), "rollouts")
+        scores = None
+        if reward_model is not None:
+            scores = _ray_reward_scores(table, cfg, str(store.local_path(reward_model)))
+        scored = score_rollouts(table, cfg, rm=scores)
+        write_dataset(scored, "scored_rollouts", ctx.outdir)
+        metrics = summarize_scores(scored)
+        log.info(
+            "%s: %d samples, reward %.3f, accuracy %s, %d parse failures",
+            STAGE,
+            scored.num_rows,
+            metrics["reward_mean"],
+            f"{metrics['accuracy']:.3f}" if "accuracy" in metrics else "n/a",
+            int(metrics["parse_failures"]),
+        )
+        manifest = {"rollouts": rollouts.uri, "reward_model": reward_model.uri if reward_model else None}
+        return StageOutput(manifest=manifest, metrics=metrics)
+
+    return run_stage(
+        STAGE, cfg, score_inputs(rollouts, reward_model), store, "dataset", build, schema_kind="scored_rollouts"
+    )

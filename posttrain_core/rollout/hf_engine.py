@@ -1,0 +1,278 @@
+"""The Hugging Face rollout engine: batched sampling with a KV cache, n samples per prompt, the policy's log-probs.
+
+An explicit decode loop (not `model.generate`) so that every sample has its own seeded random stream and the
+returned log-probs are exactly the trainer's (the raw model distribution); see `HFEngine`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from posttrain_core.rollout.engine import SamplingSettings
+
+# The stable ids of one sample's random stream: (sampling seed, prompt_id, sample_index).
+_SEED_MASK = (1 << 63) - 1
+
+
+def sample_seed(seed: int, prompt_id: str, sample_index: int) -> int:
+    """The seed of one sample's own generator: sha256 of (seed, prompt_id, sample_index), 63 bits.
+
+    A hash, not Python's `hash()` (salted per process), so every process and machine draws the same stream.
+    """
+    digest = hashlib.sha256(f"{seed}\x1f{prompt_id}\x1f{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & _SEED_MASK
+
+
+def process_logits(logits_B_V: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling probabilities: softmax(logits / temperature) restricted to the top-p nucleus, renormalised.
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p (the most likely token is always
+    kept), as in HF's `TopPLogitsWarper` and vLLM. Temperature must be > 0 here (0 is greedy: see `sample_tokens`).
+
+    Args:
+        logits_B_V: raw next-token logits (float32).
+
+    Returns:
+        probs_B_V, each row summing to 1.
+    """
+    probs_B_V = torch.softmax(logits_B_V / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_B_V, order_B_V = probs_B_V.sort(dim=-1, descending=True)
+        mass_before_B_V = sorted_B_V.cumsum(dim=-1) - sorted_B_V
+        sorted_B_V = sorted_B_V.masked_fill(mass_before_B_V >= top_p, 0.0)
+        probs_B_V = torch.zeros_like(probs_B_V).scatter_(-1, order_B_V, sorted_B_V)
+        probs_B_V = probs_B_V / probs_B_V.sum(dim=-1, keepdim=True)
+    return probs_B_V
+
+
+def sample_tokens(logits_B_V: torch.Tensor, uniforms_B: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Next tokens by inverse-CDF sampling: token = first index whose cumulative probability exceeds u.
+
+    One uniform per row and step (drawn from that sample's own generator) makes a sample depend only on its own
+    stream and its own logits, never on which other rows share the batch. temperature == 0 is greedy (argmax).
+
+    Args:
+        logits_B_V: raw next-token logits (float32).
+        uniforms_B: one U[0, 1) draw per row.
+
+    Returns:
+        tokens_B (int64).
+    """
+    if temperature == 0:
+        return logits_B_V.argmax(dim=-1)
+    cdf_B_V = process_logits(logits_B_V, temperature, top_p).cumsum(dim=-1)
+    target_B_1 = (uniforms_B * cdf_B_V[:, -1]).unsqueeze(-1)  # scaled by the total: float rounding of the cumsum
+    tokens_B = torch.searchsorted(cdf_B_V, target_B_1, right=True).squeeze(-1)
+    return tokens_B.clamp_(max=logits_B_V.shape[-1] - 1)
+
+
+@dataclass
+class _Sample:
+    row: int  # index of the prompt row in the input table
+    sample_index: int
+    prompt_ids: list[int]
+
+
+class HFEngine:
+    """Engine (see `posttrain_core.rollout.engine.Engine`) on a Hugging Face causal LM or LoRA adapter folder.
+
+    Choices, stated once:
+    - **Log-probs** are those of the raw model distribution, log_softmax(logits) at temperature 1 without top-p,
+      of the sampled tokens: exactly what the trainer recomputes with a forward pass over prompt + response, so
+      |logp_rollout - logp_trainer| is ~0 in fp32 (~1e-6 from KV-cache vs full-forward rounding). With temperature
+      != 1 or top_p < 1 the sampling distribution differs from this one; correcting for that is the trainer's job.
+      vLLM's default (`logprobs_mode="raw_logprobs"`) is the same quantity.
+    - **Seeds**: sample (prompt_id, sample_index) draws from its own `torch.Generator` seeded with
+      `sample_seed(seed, prompt_id, sample_index)`: its stream is `torch.rand(max_tokens)`, step t uses uniform t,
+      and tokens are chosen by inverse-CDF sampling. Same seed -> same samples regardless of batch size, row order or which engine actor got
+      the prompt. Only float rounding of the logits can differ with the batch's padding (~1e-7), which flips a token
+      only when a uniform falls that close to a CDF boundary.
+    - **Stops**: eos (the tokenizer's and the generation config's) ends a sample with finish_reason "stop" and the
+      eos token is kept in `response_ids` (its log-prob is what teaches the policy to stop). A stop string ends it
+      with "stop" too: `response_text` is cut before the stop string, `response_ids` keep every token generated up
+      to the one that completed it (vLLM's behaviour). max_tokens reached without a stop: "length".
+    - LoRA adapter folders run unmerged through peft, like the trainer, so the log-probs match it.
+
+    Args:
+        model_path: a model or adapter folder (`load_causal_lm`).
+        dtype: weights dtype; logits are processed in float32 whatever it is.
+        policy_digest: written into every row's `policy_digest` (default: the model path).
+        max_batch_size: sequences (prompt x sample) per forward pass.
+    """
+
+    def __init__(
+        self, model_path: str, dtype: str = "float32", policy_digest: str | None = None, max_batch_size: int = 256
+    ):
+        self.dtype = dtype
+        self.max_batch_size = max_batch_size
+        self.update_weights(model_path, policy_digest)
+
+    def update_weights(self, model_path: str, policy_digest: str | None = None) -> None:
+        """Load the policy at `model_path` (full model or adapter folder) in place of the current one.
+
+        The HF engine simply reloads the folder: on the models it is meant for (CPU tests, small GPUs) that takes
+        well under a second, and it is the same path a fresh actor takes after a crash.
+        """
+        from posttrain_core.models.loading import check_model_path, load_causal_lm, load_tokenizer
+
+        info = check_model_path(model_path)
+        self.model_path = str(model_path)
+        self.policy_digest = policy_digest or self.model_path
+        self.tokenizer = load_tokenizer(model_path, require_chat_template=True)
+        self.model = load_causal_lm(model_path, dtype=self.dtype).eval()
+        self.max_context = info.get("max_position_embeddings")
+        eos = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        self.eos_ids = sorted(i for i in eos if i is not None)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+
+    def generate(self, prompts: pa.Table, params: SamplingSettings) -> pa.Table:
+        """n samples of every prompt row -> a `rollouts` table, rows ordered by (prompt row, sample_index).
+
+        Args:
+            prompts: rows with `prompt_id`, `messages` and optionally `answer` (a `prompts` table or a batch of one).
+            params: sampling settings.
+
+        Raises:
+            ValueError: a prompt plus max_tokens does not fit the model's context.
+        """
+        from posttrain_core.data.chat import tokenize_prompt
+        from posttrain_core.data.schemas import validate_table
+
+        self.last_stats = {"tokens": 0, "seconds": 0.0}
+        if prompts.num_rows == 0:
+            return validate_table(pa.table({name: [] for name in _COLUMNS}), "rollouts", source="HFEngine")
+        prompt_ids = prompts.column("prompt_id").to_pylist()
+        answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(prompt_ids)
+        encoded = [tokenize_prompt(self.tokenizer, m) for m in prompts.column("messages").to_pylist()]
+        longest = max(len(x) for x in encoded)
+        if self.max_context and longest + params.max_tokens > self.max_context:
+            raise ValueError(
+                f"HFEngine: longest prompt ({longest} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context (max_position_embeddings={self.max_context})"
+            )
+        samples = [_Sample(row, k, encoded[row]) for row in range(len(encoded)) for k in range(params.n)]
+        results: list[dict] = []
+        started = time.perf_counter()
+        for start in range(0, len(samples), self.max_batch_size):
+            chunk = samples[start : start + self.max_batch_size]
+            seeds = [sample_seed(params.seed, prompt_ids[s.row], s.sample_index) for s in chunk]
+            for s, out in zip(chunk, self._decode([s.prompt_ids for s in chunk], seeds, params), strict=True):
+                results.append(
+                    {
+                        "prompt_id": prompt_ids[s.row],
+                        "sample_index": s.sample_index,
+                        "prompt_ids": s.prompt_ids,
+                        "answer": answers[s.row],
+                        "policy_digest": self.policy_digest,
+                        "response_mask": None,
+                        "turns": None,
+                        **out,
+                    }
+                )
+        self.last_stats = {
+            "tokens": sum(len(r["response_ids"]) for r in results),
+            "seconds": time.perf_counter() - started,
+        }
+        table = pa.table({name: [r[name] for r in results] for name in _COLUMNS})
+        return validate_table(table, "rollouts", source="HFEngine")
+
+    @torch.no_grad()
+    def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingSettings) -> list[dict]:
+        """One batch: left-padded prefill, then one token per step for every unfinished row, with a KV cache."""
+        B, P = len(prompts), max(len(p) for p in prompts)
+        ids_B_P = torch.full((B, P), self.pad_id, dtype=torch.long)
+        mask_B_P = torch.zeros((B, P), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids_B_P[i, P - len(p) :] = torch.tensor(p)
+            mask_B_P[i, P - len(p) :] = 1
+        # Positions count real tokens only, so a padded row sees the positions it would alone (as the trainer does).
+        pos_B_P = (mask_B_P.cumsum(-1) - 1).clamp_(min=0)
+        # Each sample's stream: torch.rand(max_tokens) from its own generator; step t uses element t.
+        uniforms_B_T = torch.zeros((B, params.max_tokens))
+        if params.temperature > 0:
+            for i, s in enumerate(seeds):
+                uniforms_B_T[i] = torch.rand(params.max_tokens, generator=torch.Generator().manual_seed(s))
+        eos_V = torch.tensor(self.eos_ids, dtype=torch.long)
+        stops = tuple(s for s in params.stop if s)
+
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        texts: list[str | None] = [None] * B  # set when a stop string ends the row
+        finish: list[str | None] = [None] * B
+        out = self.model(
+            input_ids=ids_B_P, attention_mask=mask_B_P, position_ids=pos_B_P, use_cache=True, logits_to_keep=1
+        )
+        cache, pos_B = out.cache, pos_B_P[:, -1]
+        mask_B_L = torch.cat([mask_B_P, torch.ones((B, params.max_tokens), dtype=torch.long)], dim=1)
+        logits_B_V = out.logits[:, -1, :].float()
+        for step in range(params.max_tokens):
+            next_B = sample_tokens(logits_B_V, uniforms_B_T[:, step], params.temperature, params.top_p)
+            logp_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, next_B[:, None]).squeeze(-1)
+            next_list, logp_list = next_B.tolist(), logp_B.tolist()
+            eos_list = torch.isin(next_B, eos_V).tolist()
+            for i in range(B):
+                if finish[i] is not None:
+                    continue
+                tokens[i].append(next_list[i])
+                logps[i].append(logp_list[i])
+                if eos_list[i]:
+                    finish[i] = "stop"
+                elif stops:
+                    text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
+                    cut = min((k for k in (text.find(s) for s in stops) if k >= 0), default=-1)
+                    if cut >= 0:
+                        texts[i], finish[i] = text[:cut], "stop"
+            if all(f is not None for f in finish) or step == params.max_tokens - 1:
+                break
+            # Finished rows keep stepping on pad tokens (their outputs are ignored): simpler than shrinking the cache.
+            feed_B = torch.where(
+                torch.tensor([f is None for f in finish]), next_B, torch.full_like(next_B, self.pad_id)
+            )
+            pos_B = pos_B + 1
+            out = self.model(
+                input_ids=feed_B[:, None],
+                attention_mask=mask_B_L[:, : P + step + 1],
+                position_ids=pos_B[:, None],
+                cache=cache,
+                use_cache=True,
+            )
+            cache = out.cache
+            logits_B_V = out.logits[:, -1, :].float()
+
+        results = []
+        for i in range(B):
+            text = texts[i]
+            if text is None:
+                text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
+            results.append(
+                {
+                    "response_ids": tokens[i],
+                    "response_text": text,
+                    "logprobs": logps[i],
+                    "finish_reason": finish[i] or "length",
+                }
+            )
+        return results
+
+
+_COLUMNS = (
+    "prompt_id",
+    "sample_index",
+    "prompt_ids",
+    "response_ids",
+    "response_text",
+    "logprobs",
+    "finish_reason",
+    "policy_digest",
+    "answer",
+    "response_mask",
+    "turns",
+)

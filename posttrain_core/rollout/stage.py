@@ -1,0 +1,298 @@
+"""The rollout stage: n samples per prompt from a policy, on a pool of engine actors fed by Ray Data.
+
+Publishes a `rollouts` dataset (one row per sample, with the engine's log-probs). `engine="hf"` runs `HFEngine`;
+`engine="vllm"` runs `posttrain_core.rollout.vllm_engine.VLLMEngine` inside the vLLM environment (Ray runtime_env).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from posttrain_core.rollout.engine import SamplingSettings
+
+if TYPE_CHECKING:  # this module is imported inside vLLM actors too: keep its imports light
+    from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+    from posttrain_core.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+STAGE = "rollout"
+_SECONDS = "_engine_seconds"  # per-row share of its batch's engine time; dropped before writing
+
+
+def sampling_settings(cfg: RolloutConfig) -> SamplingSettings:
+    """The plain, picklable sampling parameters of a rollout config."""
+    return SamplingSettings(
+        n=cfg.n,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_tokens=cfg.max_tokens,
+        stop=tuple(cfg.stop),
+        seed=cfg.seed,
+    )
+
+
+class RolloutWorker:
+    """The Ray Data callable class: one engine per actor; a batch of prompt rows -> their rollout rows.
+
+    Besides the `rollouts` columns it keeps each prompt's `messages` (reward models re-render the chat with their
+    own template) and adds `_engine_seconds` for the stage's throughput metric.
+    """
+
+    def __init__(
+        self,
+        engine: str,
+        model_path: str,
+        policy_digest: str,
+        params: SamplingSettings,
+        dtype: str = "float32",
+        num_threads: int | None = None,
+    ):
+        if engine == "hf":
+            import torch
+
+            from posttrain_core.rollout.hf_engine import HFEngine
+
+            if num_threads:
+                torch.set_num_threads(num_threads)
+            self.engine = HFEngine(model_path, dtype=dtype, policy_digest=policy_digest)
+        else:
+            from posttrain_core.rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(model_path, dtype=dtype, seed=params.seed, policy_digest=policy_digest)
+        self.policy_digest = policy_digest
+        self.params = params
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        started = time.perf_counter()
+        out = self.engine.generate(batch, self.params)
+        seconds = time.perf_counter() - started
+        n = out.num_rows
+        # The stage, not each engine, stamps the policy: every backend's rows then name the same artifact.
+        out = out.set_column(
+            out.schema.get_field_index("policy_digest"), "policy_digest", pa.array([self.policy_digest] * n)
+        )
+        row_of = {pid: i for i, pid in enumerate(batch.column("prompt_id").to_pylist())}
+        index = pa.array([row_of[pid] for pid in out.column("prompt_id").to_pylist()], pa.int64())
+        out = out.append_column("messages", batch.column("messages").take(index))
+        return out.append_column(_SECONDS, pa.array([seconds / max(n, 1)] * n, pa.float64()))
+
+
+def _keep_prompts(batch: pa.Table, ids: list[str]) -> pa.Table:
+    import pyarrow.compute as pc
+
+    return batch.filter(pc.is_in(batch.column("prompt_id"), value_set=pa.array(ids, pa.string())))
+
+
+def _dataset_files(store: ArtifactStore, ref: ArtifactRef) -> list[str]:
+    """Parquet files of a dataset artifact as paths Ray workers can open (local paths, or URIs of a remote store)."""
+    from posttrain_core.data.io import parquet_files
+
+    if "://" in ref.uri:
+        scheme = ref.uri.split("://", 1)[0]
+        return [f"{scheme}://{f}" for f in parquet_files(ref.uri)]
+    return parquet_files(store.local_path(ref))
+
+
+def vllm_options(cfg: RolloutConfig) -> dict[str, Any]:
+    """Ray actor options of a vLLM engine (runtime_env into the vLLM venv); a clear error when it is missing."""
+    hint = (
+        "set RolloutConfig.vllm_python (or $POSTTRAIN_VLLM_PYTHON) to the python of the vLLM environment "
+        "(README 'vLLM' creates .venv-vllm), or use RolloutConfig.engine='hf'"
+    )
+    try:
+        from posttrain_core.rollout.vllm_engine import vllm_actor_options
+    except ImportError as err:
+        raise ValueError(
+            f"RolloutConfig.engine='vllm': posttrain_core.rollout.vllm_engine is unavailable ({err}); {hint}"
+        ) from None
+    try:
+        options = dict(vllm_actor_options(cfg))
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ValueError(f"RolloutConfig.engine='vllm': the vLLM environment is not usable ({err}); {hint}") from None
+    python = (options.get("runtime_env") or {}).get("py_executable")
+    if python and not Path(python).exists():
+        raise ValueError(f"RolloutConfig.engine='vllm': the vLLM python '{python}' does not exist; {hint}")
+    return options
+
+
+def check_rollout_inputs(
+    cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, store: ArtifactStore
+) -> pa.Table:
+    """Everything that can be checked before Ray starts; returns the prompt rows to sample (after max_prompts).
+
+    Raises:
+        ValueError: not a `prompts` dataset, a column missing (SchemaError), duplicated prompt ids, no prompts, the
+            longest prompt + max_tokens beyond the model's context, or engine="vllm" without its environment.
+        FileNotFoundError: the policy folder is missing.
+    """
+    from posttrain_core.data.chat import tokenize_prompt
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.models.loading import check_model_path, load_tokenizer
+
+    if prompts.kind != "dataset" or prompts.schema_kind != "prompts":
+        raise ValueError(
+            f"{STAGE}: input 'prompts' must be a 'prompts' dataset (prompt_id, messages, answer, meta), got "
+            f"{prompts.kind} '{prompts.schema_kind}' at {prompts.uri}"
+        )
+    if policy.kind != "model":
+        raise ValueError(f"{STAGE}: input 'policy' must be a model, got a {policy.kind} at {policy.uri}")
+    policy_path = store.local_path(policy)
+    info = check_model_path(policy_path)
+    table = read_dataset(store.local_path(prompts), "prompts")  # a missing/bad `messages` column fails here
+    ids = table.column("prompt_id").to_pylist()
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        dup = next(i for i in ids if i in seen or seen.add(i))
+        raise ValueError(f"{STAGE}: {prompts.uri}: prompt_id {dup!r} appears more than once (samples are keyed by it)")
+    if cfg.max_prompts:
+        table = table.slice(0, cfg.max_prompts)
+    if table.num_rows == 0:
+        raise ValueError(f"{STAGE}: {prompts.uri} holds no prompts")
+    context = info.get("max_position_embeddings")
+    if context:
+        tokenizer = load_tokenizer(policy_path, require_chat_template=True)
+        lengths = [len(tokenize_prompt(tokenizer, m)) for m in table.column("messages").to_pylist()]
+        longest = max(lengths)
+        if longest + cfg.max_tokens > context:
+            row = lengths.index(longest)
+            raise ValueError(
+                f"{STAGE}: RolloutConfig.max_tokens ({cfg.max_tokens}) + the longest prompt ({longest} tokens, "
+                f"prompt_id {ids[row]!r}) = {longest + cfg.max_tokens} exceeds the model's context "
+                f"(max_position_embeddings={context}); lower max_tokens to at most {context - longest}"
+            )
+    if cfg.engine == "vllm":
+        vllm_options(cfg)
+    return table
+
+
+def _engine_resources(cfg: RolloutConfig) -> dict[str, Any]:
+    """Ray options of one engine actor (vLLM: its runtime_env into the vLLM environment).
+
+    Ray Data's read tasks need a CPU of their own: an actor pool holding every CPU deadlocks the pipeline (seen on
+    a 2-CPU machine with 2 one-CPU actors), so on a small cluster each engine asks for a share of (CPUs - 1).
+    """
+    import ray
+
+    cpus = float(ray.cluster_resources().get("CPU", 1))
+    share = max(0.1, min(1.0, (cpus - 1) / cfg.num_engines))
+    if cfg.engine == "vllm":
+        options = vllm_options(cfg)
+        options["num_cpus"] = min(float(options.get("num_cpus", 1.0)), share)
+        return options
+    return {"num_cpus": share}
+
+
+def _check_counts(table: pa.Table, ids: list[str], n: int) -> None:
+    got: dict[str, list[int]] = {}
+    for pid, k in zip(table.column("prompt_id").to_pylist(), table.column("sample_index").to_pylist(), strict=True):
+        got.setdefault(pid, []).append(k)
+    for pid in ids:
+        if sorted(got.get(pid, [])) != list(range(n)):
+            raise RuntimeError(
+                f"{STAGE}: prompt {pid!r} has samples {sorted(got.get(pid, []))}, expected 0..{n - 1} "
+                "(an engine dropped or duplicated rows)"
+            )
+    extra = set(got) - set(ids)
+    if extra:
+        raise RuntimeError(f"{STAGE}: rollouts for prompts that were not asked for: {sorted(extra)[:5]}")
+
+
+def run_rollout(cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, store: ArtifactStore) -> ArtifactRef:
+    """Sample `cfg.n` responses to every prompt with `policy`; publish them as a `rollouts` dataset.
+
+    Ray Data reads the prompts' parquet files, cuts them into blocks of `cfg.batch_size` prompts and streams them
+    through an actor pool of `cfg.num_engines` engines (`RolloutWorker`); the driver checks that every prompt got
+    exactly n samples, sorts them by (prompt order, sample_index) and writes them.
+
+    Manifest metrics: samples, prompts, tokens, tokens_per_s (generated tokens per second of the pool while its
+    engines generate: tokens / (engine-seconds / num_engines)), wall_tokens_per_s (tokens / wall time of the whole
+    Ray execution, actor start-up and model loading included), response_len_mean / _max (tokens), finish_length_rate.
+
+    Args:
+        cfg: sampling settings and the engine pool.
+        prompts: a `prompts` dataset.
+        policy: a model (full or LoRA adapter folder).
+        store: the artifact store.
+    """
+    from posttrain_core.stage import StageContext, StageOutput, run_stage
+
+    table = check_rollout_inputs(cfg, prompts, policy, store)
+    ids = table.column("prompt_id").to_pylist()
+    params = sampling_settings(cfg)
+
+    def build(ctx: StageContext) -> StageOutput:
+        import ray
+
+        from posttrain_core.cluster import connect
+        from posttrain_core.data.io import write_dataset
+
+        connect()
+        ds = ray.data.read_parquet(_dataset_files(store, prompts), columns=["prompt_id", "messages", "answer"])
+        if cfg.max_prompts:
+            ds = ds.map_batches(_keep_prompts, fn_kwargs={"ids": ids}, batch_format="pyarrow")
+        # Blocks of batch_size prompts, so that the pool's actors share the work even with one parquet file.
+        ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
+        ds = ds.map_batches(
+            RolloutWorker,
+            fn_constructor_kwargs=dict(
+                engine=cfg.engine,
+                model_path=str(store.local_path(policy)),
+                policy_digest=policy.digest,
+                params=params,
+                dtype=cfg.dtype,
+                num_threads=max(1, (os.cpu_count() or 1) // cfg.num_engines),
+            ),
+            compute=ray.data.ActorPoolStrategy(size=cfg.num_engines),
+            batch_size=cfg.batch_size,
+            batch_format="pyarrow",
+            **_engine_resources(cfg),
+        )
+        started = time.perf_counter()
+        parts = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]
+        wall = time.perf_counter() - started
+        out = pa.concat_tables(parts)
+        _check_counts(out, ids, cfg.n)
+        order = {pid: i for i, pid in enumerate(ids)}
+        out = out.append_column("_order", pa.array([order[p] for p in out.column("prompt_id").to_pylist()], pa.int64()))
+        out = out.sort_by([("_order", "ascending"), ("sample_index", "ascending")])
+        engine_seconds = sum(out.column(_SECONDS).to_pylist())
+        out = out.drop_columns(["_order", _SECONDS])
+        write_dataset(out, "rollouts", ctx.outdir)
+
+        lengths = [len(x) for x in out.column("response_ids").to_pylist()]
+        tokens = sum(lengths)
+        metrics = {
+            "samples": float(out.num_rows),
+            "prompts": float(len(ids)),
+            "tokens": float(tokens),
+            "tokens_per_s": tokens / max(engine_seconds / cfg.num_engines, 1e-9),
+            "wall_tokens_per_s": tokens / max(wall, 1e-9),
+            "response_len_mean": tokens / len(lengths),
+            "response_len_max": float(max(lengths)),
+            "finish_length_rate": out.column("finish_reason").to_pylist().count("length") / out.num_rows,
+        }
+        log.info(
+            "%s: %d samples of %d prompts, %.0f tokens/s (%.0f with start-up), mean length %.1f",
+            STAGE,
+            out.num_rows,
+            len(ids),
+            metrics["tokens_per_s"],
+            metrics["wall_tokens_per_s"],
+            metrics["response_len_mean"],
+        )
+        manifest = {"policy": policy.uri, "engine": cfg.engine, "num_prompts": len(ids), "num_samples": out.num_rows}
+        return StageOutput(manifest=manifest, metrics=metrics)
+
+    return run_stage(STAGE, cfg, rollout_inputs(prompts, policy), store, "dataset", build, schema_kind="rollouts")
+
+
+def rollout_inputs(prompts: ArtifactRef, policy: ArtifactRef) -> dict[str, ArtifactRef]:
+    """The stage's named inputs (part of its key; the Prefect task's cache key uses the same)."""
+    return {"prompts": prompts, "policy": policy}

