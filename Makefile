@@ -5,7 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: demo test test-fast server install clean
+.PHONY: demo test test-fast server install vllm-env clean
+
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +25,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m flows.sft
 
-test: $(STAMP)
-	$(PY) -m pytest -q -ra
+# The vLLM rollout engine's own environment (same Python and ray; vLLM pins fastapi/transformers versions that
+# conflict with Prefect's). Engine actors run in it through Ray's runtime_env.
+$(VLLM_STAMP): $(STAMP) scripts/vllm_env.sh
+	VLLM_VENV=$(VLLM_VENV) MAIN_VENV=$(VENV) bash scripts/vllm_env.sh
+
+vllm-env: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
+	POSTTRAIN_REQUIRE_VLLM=1 POSTTRAIN_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q -ra
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
