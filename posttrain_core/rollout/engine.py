@@ -11,6 +11,11 @@ from typing import Protocol
 
 import pyarrow as pa
 
+from posttrain_core.data.schemas import SCHEMAS
+
+# The columns every engine returns, in the rollouts schema's order (declared once, in data/schemas.py).
+ROLLOUT_COLUMNS: tuple[str, ...] = tuple(SCHEMAS["rollouts"].names)
+
 
 @dataclass(frozen=True)
 class SamplingSettings:

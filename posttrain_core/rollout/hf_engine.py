@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from posttrain_core.rollout.engine import SamplingSettings
+from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SamplingSettings
 
 # The stable ids of one sample's random stream: (sampling seed, prompt_id, sample_index).
 _SEED_MASK = (1 << 63) - 1
@@ -148,7 +148,7 @@ class HFEngine:
 
         self.last_stats = {"tokens": 0, "seconds": 0.0}
         if prompts.num_rows == 0:
-            return validate_table(pa.table({name: [] for name in _COLUMNS}), "rollouts", source="HFEngine")
+            return validate_table(pa.table({name: [] for name in ROLLOUT_COLUMNS}), "rollouts", source="HFEngine")
         prompt_ids = prompts.column("prompt_id").to_pylist()
         answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(prompt_ids)
         encoded = [tokenize_prompt(self.tokenizer, m) for m in prompts.column("messages").to_pylist()]
@@ -181,7 +181,7 @@ class HFEngine:
             "tokens": sum(len(r["response_ids"]) for r in results),
             "seconds": time.perf_counter() - started,
         }
-        table = pa.table({name: [r[name] for r in results] for name in _COLUMNS})
+        table = pa.table({name: [r[name] for r in results] for name in ROLLOUT_COLUMNS})
         return validate_table(table, "rollouts", source="HFEngine")
 
     @torch.no_grad()
@@ -263,16 +263,3 @@ class HFEngine:
         return results
 
 
-_COLUMNS = (
-    "prompt_id",
-    "sample_index",
-    "prompt_ids",
-    "response_ids",
-    "response_text",
-    "logprobs",
-    "finish_reason",
-    "policy_digest",
-    "answer",
-    "response_mask",
-    "turns",
-)

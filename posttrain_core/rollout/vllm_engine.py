@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from posttrain_core.rollout.engine import SamplingSettings
+from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SamplingSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -41,19 +41,6 @@ ENGINE_ENV: dict[str, str] = {
 # Ranks vLLM's LoRA layers are built for (`LoRAConfig.max_lora_rank`).
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
-_COLUMNS = (
-    "prompt_id",
-    "sample_index",
-    "prompt_ids",
-    "response_ids",
-    "response_text",
-    "logprobs",
-    "finish_reason",
-    "policy_digest",
-    "answer",
-    "response_mask",
-    "turns",
-)
 
 _HINT = (
     "create it with `bash scripts/vllm_env.sh` (writes .venv-vllm), or set RolloutConfig.vllm_python "
@@ -342,7 +329,7 @@ class VLLMEngine:
 
         self.last_stats = {"tokens": 0, "seconds": 0.0}
         if prompts.num_rows == 0:
-            return validate_table(pa.table({name: [] for name in _COLUMNS}), "rollouts", source="VLLMEngine")
+            return validate_table(pa.table({name: [] for name in ROLLOUT_COLUMNS}), "rollouts", source="VLLMEngine")
         prompt_ids = prompts.column("prompt_id").to_pylist()
         answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(prompt_ids)
         encoded = [tokenize_prompt(self.tokenizer, m) for m in prompts.column("messages").to_pylist()]
@@ -376,7 +363,7 @@ class VLLMEngine:
 
         completions = [out.outputs[0] for out in outputs]
         decoded = self.tokenizer.batch_decode([list(c.token_ids) for c in completions], skip_special_tokens=True)
-        columns: dict[str, list] = {name: [] for name in _COLUMNS}
+        columns: dict[str, list] = {name: [] for name in ROLLOUT_COLUMNS}
         for (row, k), c, text in zip(keys, completions, decoded, strict=True):
             token_ids = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(token_ids):
