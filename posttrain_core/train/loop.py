@@ -114,6 +114,47 @@ def _fmt_eta(seconds: float) -> str:
     return f"{m}m{s:02d}s"
 
 
+def build_optimizer(model, cfg: TrainConfig):
+    """(trainable params, AdamW, warm-up/decay LambdaLR): the optimizer every posttrain training loop uses."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    return params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+
+def resume_from_checkpoint(job, model, opt, sched, rank: int) -> int:
+    """Load the newest in-stage checkpoint of `job.workdir` (weights, optimizer, scheduler, RNG); return its step."""
+    import torch
+
+    ckpts = _checkpoints(job.workdir)
+    if not ckpts:
+        return 0
+    state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"], strict=False)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    if rank == 0:
+        print(f"[{job.stage}] resuming from in-stage checkpoint {ckpts[-1].name} (step {state['step']})", flush=True)
+    return state["step"]
+
+
+def optimizer_step(params, opt, sched, max_grad_norm: float) -> tuple[float, float]:
+    """Clip (if max_grad_norm > 0), step optimizer and scheduler, zero grads; return (grad norm, lr used)."""
+    import torch
+
+    if max_grad_norm > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    else:
+        grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+    lr = sched.get_last_lr()[0]
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
 def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     """Run the loop on this rank; rank 0 saves the final checkpoint into job.outdir and returns the metrics."""
     import torch
@@ -136,21 +177,8 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-
-    start_step = 0
-    ckpts = _checkpoints(job.workdir)
-    if ckpts:
-        state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        start_step = state["step"]
-        if rank == 0:
-            print(f"[{job.stage}] resuming from in-stage checkpoint {ckpts[-1].name} (step {start_step})", flush=True)
+    params, opt, sched = build_optimizer(model, cfg)
+    start_step = resume_from_checkpoint(job, model, opt, sched, rank)
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
     history: list[float] = []
@@ -180,14 +208,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
                 # DDP averages gradients over ranks, so scale by world to get sum / global token count.
                 (ce * world / n_tok.item()).backward()
             stats += torch.tensor([ce.item(), float(mask.sum())], dtype=torch.float64)
-        if cfg.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        else:
-            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        grad_norm, lr = optimizer_step(params, opt, sched, cfg.max_grad_norm)
         if world > 1:
             dist.all_reduce(stats)
         compute_s += time.time() - t0  # throughput excludes logging and checkpoint I/O

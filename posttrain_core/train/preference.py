@@ -30,17 +30,18 @@ from posttrain_core.tracking import RunLogger
 from posttrain_core.train.loop import (
     IGNORE,
     TrainWorker,
-    _checkpoints,
     _fmt_eta,
     _save_checkpoint,
+    build_optimizer,
     collate,
     global_batch,
-    lr_lambda,
+    optimizer_step,
+    resume_from_checkpoint,
 )
+from posttrain_core.train.sft import FAULT_ENV
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "POSTTRAIN_FAIL_AFTER_STEP"  # same switch as train/sft.py
 REF_COLUMNS = ("ref_chosen_logp", "ref_rejected_logp")
 N_PROBES = 8  # held-out pairs whose RM scores are stored in the manifest (to check a reloaded checkpoint)
 
@@ -253,21 +254,8 @@ def preference_loop(job: PreferenceJob, rank: int, world: int) -> dict:
 
     net = _per_row_module(job.objective, model)
     ddp = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-
-    start_step = 0
-    ckpts = _checkpoints(job.workdir)
-    if ckpts:
-        state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        start_step = state["step"]
-        if rank == 0:
-            print(f"[{job.stage}] resuming from in-stage checkpoint {ckpts[-1].name} (step {start_step})", flush=True)
+    params, opt, sched = build_optimizer(model, cfg)
+    start_step = resume_from_checkpoint(job, model, opt, sched, rank)
     initial = _evaluate(job, net, held_out, pad_id, rank, world) if job.objective == "rm" and start_step == 0 else {}
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
@@ -287,14 +275,7 @@ def preference_loop(job: PreferenceJob, rank: int, world: int) -> dict:
                 (loss * (len(batch) * world / cfg.global_batch_size)).backward()
             n = len(batch)
             stats += torch.tensor([loss.item() * n, acc * n, margin * n, n_tok], dtype=torch.float64)
-        if cfg.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        else:
-            grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        grad_norm, lr = optimizer_step(params, opt, sched, cfg.max_grad_norm)
         if world > 1:
             dist.all_reduce(stats)
         compute_s += time.time() - t0
