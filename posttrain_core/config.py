@@ -173,7 +173,13 @@ class RolloutConfig(_Config):
     seed: int = Field(0, description="sampling seed: same seed, same samples")
     num_engines: int = Field(2, ge=1, description="engine actors")
     batch_size: int = Field(32, ge=1, description="prompts per engine call")
-    max_prompts: int | None = Field(None, ge=1, description="use only the first N prompts")
+    max_prompts: int | None = Field(None, ge=1, description="use only N prompts (the RL flow: prompts per iteration)")
+    prompt_start: int = Field(
+        0, ge=0, description="first prompt of the window of max_prompts (wraps around the end of the dataset)"
+    )
+    families: list[str] = Field(
+        default_factory=list, description="only prompts whose meta.family is one of these (empty: every prompt)"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine weights dtype")
     vllm_python: str | None = Field(
         None, description="python of the vLLM environment (default: $POSTTRAIN_VLLM_PYTHON or .venv-vllm/bin/python)"
@@ -194,3 +200,151 @@ class ScoreConfig(_Config):
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at L_max")
     num_workers: int = Field(2, ge=1, description="reward-model scoring actors")
     batch_size: int = Field(64, ge=1, description="rollouts per reward-model forward")
+
+
+Algorithm = Literal["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+# What each algorithm means when a field is left empty (None). Definitions: ../shared/ALGORITHMS.md.
+RL_PRESETS: dict[str, dict] = {
+    "ppo": dict(advantage="gae", critic=True, loss_agg="token-mean", clip_low=0.2, clip_high=0.2,
+                kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
+    "grpo": dict(advantage="grpo", critic=False, loss_agg="token-mean", clip_low=0.2, clip_high=0.2,
+                 kl_placement="loss", kl_estimator="k3", kl_coef=0.04),
+    "dr_grpo": dict(advantage="dr_grpo", critic=False, loss_agg="seq-mean-token-sum-norm", clip_low=0.2,
+                    clip_high=0.2, kl_placement="none", kl_estimator="k3", kl_coef=0.0),
+    "rloo": dict(advantage="rloo", critic=False, loss_agg="token-mean", clip_low=0.2, clip_high=0.2,
+                 kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
+    "reinforce_pp": dict(advantage="reinforce_pp", critic=False, loss_agg="token-mean", clip_low=0.2,
+                         clip_high=0.2, kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
+    "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline", critic=False, loss_agg="token-mean",
+                                  clip_low=0.2, clip_high=0.2, kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
+    "dapo": dict(advantage="grpo", critic=False, loss_agg="token-mean", clip_low=0.2, clip_high=0.28,
+                 kl_placement="none", kl_estimator="k3", kl_coef=0.0, dynamic_sampling=True, overlong=True),
+    "vapo": dict(advantage="vapo", critic=True, loss_agg="token-mean", clip_low=0.2, clip_high=0.28,
+                 kl_placement="none", kl_estimator="k3", kl_coef=0.0, critic_lam=1.0, nll_coef=0.1,
+                 value_pretrain_steps=20),
+}  # fmt: skip
+
+
+class RLConfig(_Config):
+    """One RL update of the policy (and critic) on a batch of scored rollouts, on Ray workers (DDP).
+
+    Fields left empty take the algorithm's preset (`RL_PRESETS`); `resolved()` fills them in.
+    """
+
+    algorithm: Algorithm = Field("grpo", description="RL algorithm (see ALGORITHMS.md)")
+    num_workers: int = Field(2, ge=1, description="Ray workers (torch.distributed data-parallel ranks)")
+    lr: float = Field(2e-5, gt=0, description="policy learning rate (AdamW, constant after warm-up)")
+    critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (PPO, VAPO)")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up in optimizer steps, counted across iterations")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping (0 = off)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over the batch per update")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (the batch is cut into this many)")
+    micro_batch_size: int = Field(32, ge=1, description="sequences per forward pass on one worker")
+    policy_loss: Literal["clip", "gspo"] = Field("clip", description="token-ratio PPO clip, or GSPO sequence ratio")
+    clip_low: float | None = Field(None, gt=0, lt=1, description="ratio clip below 1 - clip_low (empty: preset)")
+    clip_high: float | None = Field(None, gt=0, description="ratio clip above 1 + clip_high (empty: preset)")
+    dual_clip: float | None = Field(3.0, gt=1, description="dual-clip bound c for negative advantages (empty: off)")
+    loss_agg: AggMode | None = Field(None, description="how token losses are aggregated (empty: preset)")
+    t_max: int | None = Field(None, ge=1, description="seq-mean-token-sum-norm divisor (empty: longest response)")
+    kl_placement: Literal["none", "reward", "loss"] | None = Field(
+        None, description="KL to the reference: subtracted from the reward, added to the loss, or off (empty: preset)"
+    )
+    kl_estimator: Literal["k1", "abs", "k2", "k3"] | None = Field(None, description="KL estimator (empty: preset)")
+    kl_coef: float | None = Field(None, ge=0, description="KL coefficient beta (empty: preset)")
+    kl_target: float | None = Field(
+        None, gt=0, description="adaptive KL (in-reward placement): target KL per token (empty: fixed beta)"
+    )
+    kl_horizon: int = Field(10_000, ge=1, description="adaptive KL: horizon in samples")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda of the policy advantages (PPO)")
+    critic_lam: float | None = Field(None, ge=0, le=1, description="GAE lambda of the value targets (empty: preset)")
+    vapo_alpha: float = Field(0.05, gt=0, description="VAPO length-adaptive lambda: 1 - 1/(alpha * length)")
+    value_clip: float | None = Field(0.2, gt=0, description="value clipping range (empty: off)")
+    nll_coef: float | None = Field(None, ge=0, description="NLL loss on correct samples (VAPO; empty: preset)")
+    dynamic_sampling: bool | None = Field(
+        None, description="drop groups whose rewards are all equal and sample more (DAPO; empty: preset)"
+    )
+    max_gen_batches: int = Field(3, ge=1, description="dynamic sampling: generation batches before giving up")
+    value_pretrain_steps: int | None = Field(
+        None, ge=0, description="critic steps on the initial policy's samples before RL (VAPO; empty: preset)"
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (bfloat16 = autocast)")
+    seed: int = Field(0, description="mini-batch order seed")
+    lora: LoraConfig | None = Field(
+        None, description="train LoRA adapters; the reference is then the base with the adapter disabled"
+    )
+
+    def preset(self, name: str):
+        """The algorithm's preset value of `name` (None when it has none)."""
+        return RL_PRESETS[self.algorithm].get(name)
+
+    def resolved(self) -> RLConfig:
+        """This config with every empty field set to the algorithm's preset."""
+        defaults = {"critic_lam": self.lam, "nll_coef": 0.0, "dynamic_sampling": False, "value_pretrain_steps": 0}
+        update = {}
+        for name in ("clip_low", "clip_high", "loss_agg", "kl_placement", "kl_estimator", "kl_coef", *defaults):
+            if getattr(self, name) is None:
+                value = self.preset(name)
+                update[name] = defaults.get(name) if value is None else value
+        return self.model_copy(update=update)
+
+    @property
+    def uses_critic(self) -> bool:
+        return bool(self.preset("critic"))
+
+    @property
+    def advantage(self) -> str:
+        return self.preset("advantage")
+
+    @model_validator(mode="after")
+    def _check(self) -> RLConfig:
+        if self.kl_target is not None and (self.kl_placement or self.preset("kl_placement")) != "reward":
+            raise ValueError("kl_target (adaptive KL) needs kl_placement='reward'")
+        if self.policy_loss == "gspo" and self.uses_critic:
+            raise ValueError(f"policy_loss='gspo' takes sequence advantages; algorithm '{self.algorithm}' has a critic")
+        return self
+
+
+class RLHFFlowConfig(_Config):
+    """The RLHF pipeline: data -> base -> (pretraining) -> SFT -> (reward model) -> N x [rollout -> score -> update]."""
+
+    store: str | None = Field(
+        None, description="artifact store root (local folder or fsspec URI). Empty: $POSTTRAIN_STORE or ./.posttrain"
+    )
+    experiment: str = Field("posttrain", description="MLflow experiment name")
+    data: DataConfig = Field(default_factory=DataConfig, description="training and evaluation data")
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="base model; with pretrain and sft empty, the policy to start from"
+    )
+    pretrain: PretrainConfig | None = Field(
+        default_factory=PretrainConfig, description="continued pretraining before SFT (empty: skip)"
+    )
+    sft: SFTConfig | None = Field(default_factory=SFTConfig, description="SFT before RL (empty: start from the model)")
+    reward_model: RewardModelConfig | None = Field(
+        None, description="train a Bradley-Terry reward model and add its score (score.reward_model_weight)"
+    )
+    iterations: int = Field(10, ge=1, description="RL iterations of rollout -> score -> update")
+    rollout: RolloutConfig = Field(
+        default_factory=lambda: RolloutConfig(n=8, max_prompts=32, max_tokens=16, families=["arithmetic"]),
+        description="sampling; max_prompts = prompts per iteration, taken in turn from the training prompts",
+    )
+    score: ScoreConfig = Field(default_factory=ScoreConfig, description="rewards")
+    rl: RLConfig = Field(default_factory=RLConfig, description="the RL update")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation before and after RL")
+    eval_every: int = Field(0, ge=0, description="also evaluate every k iterations (0 = only before and after)")
+
+    @model_validator(mode="after")
+    def _check(self) -> RLHFFlowConfig:
+        if self.rollout.max_prompts is None:
+            raise ValueError("rollout.max_prompts (prompts per iteration) must be set for RL")
+        if self.rl.algorithm != "rloo" and self.rl.advantage in ("grpo", "dr_grpo") and self.rollout.n < 2:
+            raise ValueError(f"rl.algorithm='{self.rl.algorithm}' compares samples of a prompt: rollout.n must be >= 2")
+        if self.rl.algorithm == "rloo" and self.rollout.n < 2:
+            raise ValueError("rl.algorithm='rloo' needs rollout.n >= 2 (leave-one-out baseline)")
+        if self.score.reward_model_weight and self.reward_model is None:
+            raise ValueError("score.reward_model_weight is set but reward_model (its training config) is empty")
+        return self

@@ -100,6 +100,9 @@ class RunLogger:
             path.write_text(json.dumps(obj, indent=2, default=str))
             self._client().log_artifact(self.run_id, str(path))
 
+    def log_artifact(self, path: str | os.PathLike) -> None:
+        self._client().log_artifact(self.run_id, str(path))
+
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         for k, v in tags.items():
             self._client().set_tag(self.run_id, k, str(v))

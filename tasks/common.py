@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.tasks import exponential_backoff
 
@@ -71,3 +71,21 @@ def report(stage: str, ref: ArtifactRef, store: ArtifactStore) -> dict[str, Any]
     except Exception:  # outside a Prefect run (e.g. `.fn()` in a unit test)
         logging.getLogger(__name__).info("%s -> %s", stage, ref.uri)
     return manifest
+
+
+def stage_task(name: str, key_of: Callable[[dict[str, Any], ArtifactStore], str], run_name: str | None = None):
+    """The decorator every stage task shares: cache key = stage key, persisted result, retries on transient faults.
+
+    Args:
+        name: task name.
+        key_of: (task parameters, store) -> the core stage key.
+        run_name: task-run name template, e.g. "rollout[iter={iteration}]" (default: the name).
+    """
+    return task(
+        name=name,
+        task_run_name=run_name or name,
+        cache_key_fn=stage_cache(key_of),
+        persist_result=True,
+        retry_condition_fn=is_transient,
+        **RETRY,
+    )

@@ -1,7 +1,8 @@
 """The prepare_data stage: synthetic task or user files -> validated Arrow dataset artifacts in the store.
 
 Outputs (one artifact each): `sft` (training chats), `eval` (held-out prompts with answers), `text` (raw text for
-continued pretraining) and, for the synthetic task, `preferences` (right vs wrong answers, for RM/DPO).
+continued pretraining), `prompts` (the training problems as prompts with answers, for RL) and, for the synthetic
+task, `preferences` (right vs wrong answers, for RM/DPO).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class DataRefs(BaseModel):
     sft: ArtifactRef
     eval: ArtifactRef
     text: ArtifactRef
+    prompts: ArtifactRef | None = None
     preferences: ArtifactRef | None = None
 
 
@@ -43,28 +45,34 @@ def _inputs(cfg: DataConfig, store: ArtifactStore) -> dict[str, ArtifactRef]:
 
 def output_keys(cfg: DataConfig, store: ArtifactStore) -> dict[str, str]:
     inputs = list(_inputs(cfg, store).values())
-    names = ["sft", "eval", "text"] + ([] if cfg.train_path else ["preferences"])
+    names = ["sft", "eval", "text", "prompts"] + ([] if cfg.train_path else ["preferences"])
     return {name: stage_key(f"{STAGE}.{name}", cfg, inputs) for name in names}
 
 
 def holdout_prompts(sft: pa.Table, n_eval: int, seed: int, source: str) -> tuple[pa.Table, pa.Table]:
     """Split chats into (train chats, eval prompts): an eval prompt is a chat up to its last assistant turn, whose
     content becomes the answer."""
-    rows = sft.column("messages").to_pylist()
-    if n_eval >= len(rows):
-        raise ValueError(f"{source}: n_eval={n_eval} leaves no training rows ({len(rows)} rows in all)")
-    order = list(range(len(rows)))
+    n_rows = sft.num_rows
+    if n_eval >= n_rows:
+        raise ValueError(f"{source}: n_eval={n_eval} leaves no training rows ({n_rows} rows in all)")
+    order = list(range(n_rows))
     random.Random(seed).shuffle(order)
     held, kept = sorted(order[:n_eval]), sorted(order[n_eval:])
-    prompts = {"prompt_id": [], "messages": [], "answer": [], "meta": []}
-    for i in held:
-        msgs = rows[i]
+    return sft.take(kept), chats_as_prompts(sft, held)
+
+
+def chats_as_prompts(sft: pa.Table, rows: list[int] | None = None) -> pa.Table:
+    """Chats (all, or `rows`) as prompts: each chat up to its last assistant turn, whose content is the answer."""
+    chats = sft.column("messages").to_pylist()
+    prompts: dict[str, list] = {"prompt_id": [], "messages": [], "answer": [], "meta": []}
+    for i in range(len(chats)) if rows is None else rows:
+        msgs = chats[i]
         last = max(j for j, m in enumerate(msgs) if m["role"] == "assistant")
         prompts["prompt_id"].append(f"row-{i}")
         prompts["messages"].append(msgs[:last])
         prompts["answer"].append(msgs[last]["content"])
         prompts["meta"].append(json.dumps({"source_row": i}))
-    return sft.take(kept), pa.table(prompts)
+    return pa.table(prompts)
 
 
 def flatten_chats(sft: pa.Table) -> pa.Table:
@@ -85,7 +93,12 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
         else:
             sft, eval_ = holdout_prompts(sft, cfg.n_eval, cfg.seed, cfg.train_path)
         text = importers.import_file(cfg.text_path, "text") if cfg.text_path else flatten_chats(sft)
-        tables = {"sft": (sft, "sft"), "eval": (eval_, "prompts"), "text": (text, "text")}
+        tables = {
+            "sft": (sft, "sft"),
+            "eval": (eval_, "prompts"),
+            "text": (text, "text"),
+            "prompts": (chats_as_prompts(sft), "prompts"),
+        }
     else:
         problems = synthetic.make_problems(
             families=tuple(cfg.families), n=cfg.n_train + cfg.n_eval, seed=cfg.seed, max_digits=cfg.max_digits
@@ -95,6 +108,7 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
             "sft": (synthetic.sft_table(train), "sft"),
             "eval": (synthetic.prompts_table(held), "prompts"),
             "text": (synthetic.text_table(train, cfg.seed), "text"),
+            "prompts": (synthetic.prompts_table(train), "prompts"),
             "preferences": (synthetic.preferences_table(train, cfg.seed), "preferences"),
         }
     for name, (table, kind) in tables.items():

@@ -6,6 +6,7 @@ Publishes a `rollouts` dataset (one row per sample, with the engine's log-probs)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -151,10 +152,16 @@ def check_rollout_inputs(
         seen: set[str] = set()
         dup = next(i for i in ids if i in seen or seen.add(i))
         raise ValueError(f"{STAGE}: {prompts.uri}: prompt_id {dup!r} appears more than once (samples are keyed by it)")
-    if cfg.max_prompts:
-        table = table.slice(0, cfg.max_prompts)
+    if cfg.families:
+        families = [(json.loads(m) if m else {}).get("family") for m in table.column("meta").to_pylist()]
+        table = table.filter(pa.array([f in cfg.families for f in families], pa.bool_()))
+        if table.num_rows == 0:
+            raise ValueError(f"{STAGE}: {prompts.uri} has no prompt whose meta.family is one of {cfg.families}")
     if table.num_rows == 0:
         raise ValueError(f"{STAGE}: {prompts.uri} holds no prompts")
+    if cfg.max_prompts or cfg.prompt_start:
+        n = min(cfg.max_prompts or table.num_rows, table.num_rows)
+        table = table.take([(cfg.prompt_start + i) % table.num_rows for i in range(n)])
     context = info.get("max_position_embeddings")
     if context:
         tokenizer = load_tokenizer(policy_path, require_chat_template=True)
@@ -235,7 +242,7 @@ def run_rollout(cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, s
 
         connect()
         ds = ray.data.read_parquet(_dataset_files(store, prompts), columns=["prompt_id", "messages", "answer"])
-        if cfg.max_prompts:
+        if cfg.max_prompts or cfg.families:
             ds = ds.map_batches(_keep_prompts, fn_kwargs={"ids": ids}, batch_format="pyarrow")
         # Blocks of batch_size prompts, so that the pool's actors share the work even with one parquet file.
         ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)

@@ -1,0 +1,48 @@
+"""Run reports: the RL reward/accuracy curve as a PNG and a markdown table, written next to the artifacts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CURVE_COLUMNS = ("iteration", "reward_mean", "accuracy", "kl_k1", "entropy", "clip_frac", "logp_mismatch_mean")
+
+
+def curve_row(iteration: int, metrics: dict[str, float]) -> dict[str, Any]:
+    """One iteration's row of the curve table (missing metrics are None)."""
+    return {"iteration": iteration, **{k: metrics.get(k) for k in CURVE_COLUMNS[1:]}}
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = CURVE_COLUMNS) -> str:
+    def cell(v: Any) -> str:
+        return "" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot_curve(rows: list[dict[str, Any]], evals: dict[int, float], path: str | Path, title: str) -> Path:
+    """Sample reward and accuracy per iteration, and held-out accuracy where it was evaluated, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; also safe inside Prefect worker processes
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    xs = [r["iteration"] for r in rows]
+    ax.plot(xs, [r["reward_mean"] for r in rows], marker="o", label="sample reward (mean)")
+    if all(r.get("accuracy") is not None for r in rows):
+        ax.plot(xs, [r["accuracy"] for r in rows], marker=".", label="sample accuracy")
+    if evals:
+        ax.plot(list(evals), list(evals.values()), marker="s", linestyle="--", label="held-out accuracy (greedy)")
+    ax.set_xlabel("iteration")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

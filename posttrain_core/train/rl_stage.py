@@ -1,0 +1,392 @@
+"""The RL update stage (driver side): scored rollouts + policy -> new policy (and critic), on a Ray worker group.
+
+`run_rl_update` reads the scored rollouts, checks they were sampled by the policy it is given (never train on stale
+samples), lets the workers recompute old/reference log-probs and values (`RLWorker.prepare`), computes advantages
+over the whole batch here (group statistics, whitening, KL in the reward), then runs the update on the workers and
+publishes the new policy with `critic/` and `trainer_state.pt` inside. Also: VAPO's value pretraining, the
+per-iteration rollout settings and DAPO's dynamic-sampling bookkeeping, which the flow calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.config import RLConfig, RolloutConfig, ScoreConfig
+from posttrain_core.stage import StageContext, StageOutput, run_stage
+from posttrain_core.train.rl import CRITIC_DIR, STATE_FILE, RLBatch, RLJob, RLWorker, Targets
+
+log = logging.getLogger(__name__)
+
+STAGE, VALUE_STAGE = "rl_update", "value_pretrain"
+
+
+class DynamicSamplingError(RuntimeError):
+    """Every generation batch so far had too few prompts with non-uniform rewards."""
+
+
+# ------------------------------------------------------------------------------------------- flow helpers
+def iteration_rollout(cfg: RolloutConfig, iteration: int, gen_batch: int = 0, max_gen_batches: int = 1) -> RolloutConfig:
+    """The rollout settings of one iteration: the next window of `max_prompts` prompts and a seed of its own.
+
+    Iteration k (from 1; 0 is the initial policy's batch for value pretraining), generation batch j takes the
+    window starting at ((k - 1) * max_gen_batches + j) * max_prompts, wrapping around the prompts.
+    """
+    window = (max(iteration - 1, 0) * max_gen_batches + gen_batch) * (cfg.max_prompts or 0)
+    return cfg.model_copy(update={"prompt_start": window, "seed": cfg.seed + 1000 * iteration + gen_batch})
+
+
+def score_config_for(rl: RLConfig, score: ScoreConfig, rollout: RolloutConfig) -> ScoreConfig:
+    """DAPO turns on overlong shaping (budget = rollout.max_tokens, buffer a quarter of it) unless already set."""
+    if rl.preset("overlong") and score.overlong_max_tokens is None:
+        buffer = max(1, rollout.max_tokens // 4)
+        return score.model_copy(update={"overlong_max_tokens": rollout.max_tokens, "overlong_buffer": buffer})
+    return score
+
+
+def informative_groups(store: ArtifactStore, scored: ArtifactRef) -> tuple[int, int]:
+    """(groups whose rewards are not all equal, groups) of a scored-rollouts artifact."""
+    from posttrain_core.data.io import read_dataset
+
+    table = read_dataset(store.local_path(scored), "scored_rollouts").select(["prompt_id", "reward"])
+    groups: dict[str, set[float]] = {}
+    for pid, r in zip(table.column("prompt_id").to_pylist(), table.column("reward").to_pylist(), strict=True):
+        groups.setdefault(pid, set()).add(round(r, 6))
+    return sum(len(v) > 1 for v in groups.values()), len(groups)
+
+
+def check_dynamic_sampling(counts: list[tuple[int, int]], want: int, max_gen_batches: int) -> bool:
+    """True when the batches so far hold `want` informative groups; raises after `max_gen_batches` without."""
+    have = sum(k for k, _ in counts)
+    if have >= want:
+        return True
+    if len(counts) >= max_gen_batches:
+        seen = sum(n for _, n in counts)
+        raise DynamicSamplingError(
+            f"dynamic sampling: only {have} of the {want} wanted prompts have non-uniform rewards after "
+            f"max_gen_batches={max_gen_batches} generation batches ({seen} prompts sampled; every other group was "
+            "all-correct or all-wrong, so its advantages are zero). Raise rl.max_gen_batches or rollout.n, use "
+            "easier prompts or a stronger starting policy, or set rl.dynamic_sampling=false"
+        )
+    return False
+
+
+def critic_source(store: ArtifactStore, ref: ArtifactRef | None) -> str | None:
+    """The critic folder inside an update or value-pretraining artifact (None if it has none)."""
+    if ref is None:
+        return None
+    path = Path(store.local_path(ref)) / CRITIC_DIR
+    return str(path) if path.exists() else None
+
+
+# ------------------------------------------------------------------------------------------------- batch
+def load_batch(
+    store: ArtifactStore, scored: list[ArtifactRef], policy: ArtifactRef, cfg: RLConfig
+) -> tuple[RLBatch, dict[str, float]]:
+    """The rows to train on, as an RLBatch, and data metrics.
+
+    Raises:
+        ValueError: a row was sampled by another policy than `policy` (stale weights), or nothing is left to train on.
+    """
+    from posttrain_core.data.io import read_dataset
+
+    tables = [read_dataset(store.local_path(s), "scored_rollouts") for s in scored]
+    for ref, table in zip(scored, tables, strict=True):
+        digests = table.column("policy_digest").to_pylist()
+        bad = next((i for i, d in enumerate(digests) if d != policy.digest), None)
+        if bad is not None:
+            raise ValueError(
+                f"{STAGE}: {ref.uri} row {bad} was sampled by policy {digests[bad][:12]}, not by the policy being "
+                f"updated ({policy.digest[:12]}): the rollout engine generated with stale weights"
+            )
+    table = pa.concat_tables([t.select(_COLUMNS) for t in tables])
+    want = len(set(tables[0].column("prompt_id").to_pylist()))
+    rows = table.to_pylist()
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(f"{r['prompt_id']}", []).append(i)
+    uniform = [g for g, idx in groups.items() if len({round(rows[i]["reward"], 6) for i in idx}) == 1]
+    keep = list(groups)
+    if cfg.dynamic_sampling:
+        keep = [g for g in groups if g not in set(uniform)][:want]
+        if not keep:
+            raise ValueError(f"{STAGE}: dynamic sampling left no group with non-uniform rewards")
+    picked = [i for g in keep for i in groups[g]]
+    gid = {g: k for k, g in enumerate(keep)}
+    batch = RLBatch(
+        prompt_ids=[rows[i]["prompt_ids"] for i in picked],
+        response_ids=[rows[i]["response_ids"] for i in picked],
+        policy_mask=[rows[i]["response_mask"] or [1] * len(rows[i]["response_ids"]) for i in picked],
+        rollout_logprobs=[rows[i]["logprobs"] for i in picked],
+        scores=[float(rows[i]["reward"]) for i in picked],
+        groups=[gid[rows[i]["prompt_id"]] for i in picked],
+        correct=[bool(rows[i]["correct"]) for i in picked],
+    )
+    empty = [i for i, r in enumerate(batch.response_ids) if not r]
+    if len(empty) == len(batch):
+        raise ValueError(f"{STAGE}: every response is empty; nothing to train on")
+    lengths = [len(r) for r in batch.response_ids]
+    outcomes = [rows[i]["correct"] for i in picked if rows[i]["correct"] is not None]
+    metrics = {
+        "samples": float(len(batch)),
+        "groups": float(len(keep)),
+        "uniform_group_frac": len(uniform) / max(1, len(groups)),
+        "reward_mean": sum(batch.scores) / len(batch),
+        "reward_std": _std(batch.scores),
+        "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": float(max(lengths)),
+    }
+    if outcomes:
+        metrics["accuracy"] = sum(outcomes) / len(outcomes)
+    return batch, metrics
+
+
+_COLUMNS = ["prompt_id", "prompt_ids", "response_ids", "response_mask", "logprobs", "reward", "correct"]
+
+
+def _std(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+# ------------------------------------------------------------------------------------------- advantages
+def compute_targets(
+    cfg: RLConfig, batch: RLBatch, prepared: dict[str, list], kl_coef: float, epochs: int
+) -> tuple[Targets, dict[str, float]]:
+    """Advantages and returns over the whole batch (`cfg` resolved), and the metrics they yield.
+
+    Token rewards: the sequence score on the last policy token, minus kl_coef * KL_t on every token when the KL is
+    placed in the reward. Sequence estimators (grpo, dr_grpo, rloo, reinforce_pp_baseline) use s_i = sum_t r_t.
+    """
+    import torch
+
+    from posttrain_core.algorithms import rl as A
+    from posttrain_core.train.rl import pad
+
+    width = max(1, max(len(r) for r in batch.response_ids))
+    mask = pad([[float(x) for x in m] for m in batch.policy_mask], width)
+    old = pad(prepared["old_logp"], width)
+    ref = pad(prepared["ref_logp"], width) if prepared["ref_logp"] else None
+    values = pad(prepared["values"], width) if prepared["values"] else None
+    scores = torch.tensor(batch.scores, dtype=torch.float32)
+    groups = torch.tensor(batch.groups, dtype=torch.long)
+    rewards = A.token_level_scores(scores, mask)
+    metrics: dict[str, float] = {}
+    if ref is not None:
+        metrics["kl_k1"] = float(A.masked_mean(A.kl_estimate(old, ref, "k1"), mask))
+        metrics["kl_k3"] = float(A.masked_mean(A.kl_estimate(old, ref, "k3"), mask))
+        if cfg.kl_placement == "reward" and kl_coef > 0:
+            rewards = rewards - kl_coef * A.kl_estimate(old, ref, cfg.kl_estimator) * mask
+    elif cfg.kl_placement != "none" and kl_coef > 0:
+        raise ValueError(f"{STAGE}: kl_placement='{cfg.kl_placement}' needs a reference model")
+    seq = (rewards * mask).sum(-1)
+    returns = None
+    name = cfg.advantage
+    if name in ("gae", "vapo"):
+        assert values is not None, "a critic is required"
+        lengths = mask.sum(-1)
+        lam = A.vapo_lambda(lengths, cfg.vapo_alpha) if name == "vapo" else cfg.lam
+        adv, _ = A.gae_advantages(rewards, values, mask, cfg.gamma, lam)
+        _, returns = A.gae_advantages(rewards, values, mask, cfg.gamma, cfg.critic_lam, whiten_advantages=False)
+    elif name == "reinforce_pp":
+        adv, _ = A.reinforce_pp_advantages(rewards, mask, cfg.gamma)
+    elif name == "reinforce_pp_baseline":
+        adv = A.reinforce_pp_baseline_advantages(seq, groups, mask)
+    else:
+        adv = A.broadcast_advantages(A.ADVANTAGE_ESTIMATORS[name](seq, groups), mask)
+    if values is None and cfg.uses_critic:
+        raise ValueError(f"{STAGE}: algorithm '{cfg.algorithm}' needs a critic")
+    if values is not None and returns is None:  # value pretraining: Monte-Carlo (lambda = 1) targets
+        _, returns = A.gae_advantages(rewards, values, mask, cfg.gamma, 1.0, whiten_advantages=False)
+
+    rollout_lp = pad(batch.rollout_logprobs, width)
+    gap = (rollout_lp - old).abs() * mask
+    metrics.update(
+        logp_mismatch_mean=float(gap.sum() / mask.sum().clamp(min=1)),
+        logp_mismatch_max=float(gap.max()),
+        advantage_mean=float(A.masked_mean(adv, mask)),
+        advantage_abs_mean=float(A.masked_mean(adv.abs(), mask)),
+        zero_advantage_frac=float(((adv.abs() < 1e-8).float() * mask).sum() / mask.sum().clamp(min=1)),
+        kl_coef=kl_coef,
+    )
+    if values is not None:
+        metrics["value_mean"] = float(A.masked_mean(values, mask))
+    next_kl = kl_coef
+    if cfg.kl_target is not None and ref is not None:
+        seq_kl = float((A.kl_estimate(old, ref, "k1") * mask).sum(-1).mean())
+        next_kl = A.adaptive_kl_coef(kl_coef, seq_kl, cfg.kl_target, len(batch), cfg.kl_horizon)
+    metrics["next_kl_coef"] = next_kl
+    lengths = [len(r) for r in batch.response_ids]
+
+    def rows(t):
+        return [t[i, :n].tolist() for i, n in enumerate(lengths)]
+
+    targets = Targets(
+        advantages=rows(adv),
+        old_logp=prepared["old_logp"],
+        ref_logp=prepared["ref_logp"] or None,
+        returns=rows(returns) if returns is not None else None,
+        old_values=prepared["values"] or None,
+        epochs=epochs,
+        t_max=width,
+        kl_coef=kl_coef if cfg.kl_placement == "loss" else 0.0,
+        next_kl_coef=next_kl,
+    )
+    return targets, metrics
+
+
+# -------------------------------------------------------------------------------------------- the stages
+def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: int) -> tuple[dict, dict]:
+    """load -> prepare (sharded) -> targets on the driver -> update; returns (update metrics, target metrics)."""
+    import ray
+
+    from posttrain_core.cluster import WorkerGroup, split
+
+    if len(batch) < cfg.num_workers * cfg.mini_batches:
+        raise ValueError(
+            f"{job.stage}: {len(batch)} samples cannot fill {cfg.mini_batches} mini-batches on {cfg.num_workers} "
+            "workers (every worker needs a row per mini-batch): sample more prompts or lower rl.mini_batches"
+        )
+    group = WorkerGroup(RLWorker, cfg.num_workers)
+    try:
+        group.run("load", job)
+        batch_ref = ray.put(batch)
+        shards = split(list(range(len(batch))), cfg.num_workers)
+        parts = ray.get([a.prepare.remote(batch_ref, s) for a, s in zip(group.actors, shards, strict=False)])
+        prepared: dict[str, list] = {"old_logp": [], "ref_logp": [], "values": []}
+        for part in parts:  # shards are contiguous and in rank order
+            for k in prepared:
+                prepared[k] += part[k]
+        targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs)
+        result = group.run("update", batch_ref, targets)[0]
+    finally:
+        group.shutdown()
+    return result, target_metrics
+
+
+def check_rl_inputs(cfg: RLConfig, scored: list[ArtifactRef], policy: ArtifactRef, store: ArtifactStore) -> None:
+    from posttrain_core.models.loading import check_model_path
+
+    if not scored:
+        raise ValueError(f"{STAGE}: no scored rollouts given")
+    for ref in scored:
+        if ref.kind != "dataset" or ref.schema_kind != "scored_rollouts":
+            raise ValueError(f"{STAGE}: inputs must be 'scored_rollouts' datasets, got {ref.schema_kind} at {ref.uri}")
+    if policy.kind != "model":
+        raise ValueError(f"{STAGE}: policy must be a model, got a {policy.kind} at {policy.uri}")
+    check_model_path(store.local_path(policy))
+
+
+def run_rl_update(
+    cfg: RLConfig,
+    scored: list[ArtifactRef],
+    policy: ArtifactRef,
+    reference: ArtifactRef,
+    store: ArtifactStore,
+    critic: ArtifactRef | None = None,
+) -> ArtifactRef:
+    """One RL update of `policy` on `scored` (one artifact, or several generation batches with dynamic sampling).
+
+    Args:
+        cfg: the update (empty fields take the algorithm's preset).
+        scored: scored rollouts sampled by `policy` (checked row by row through `policy_digest`).
+        policy: the current policy; if it is a previous update's artifact its optimizer state is continued.
+        reference: the frozen reference policy (with LoRA: the adapter's base, run with the adapter disabled).
+        store: the artifact store.
+        critic: an artifact holding `critic/` (the previous update, or value pretraining); PPO/VAPO start a fresh
+            critic from the policy when None.
+
+    Returns:
+        A model artifact: the new policy (full or adapter folder), `critic/` when the algorithm has one and
+        `trainer_state.pt`; its manifest holds every metric of ALGORITHMS.md's list.
+    """
+    check_rl_inputs(cfg, scored, policy, store)
+    rcfg = cfg.resolved()
+    inputs = update_inputs(scored, policy, reference, critic)
+
+    def build(ctx: StageContext) -> StageOutput:
+        batch, data_metrics = load_batch(store, scored, policy, rcfg)
+        policy_path = str(store.local_path(policy))
+        state = Path(policy_path) / STATE_FILE
+        prev = store.manifest(policy) if not policy.external else {}
+        kl_coef = float(prev.get("next_kl_coef", rcfg.kl_coef))
+        critic_path = (critic_source(store, critic) or policy_path) if rcfg.uses_critic else None
+        job = RLJob(
+            cfg=rcfg,
+            policy_path=policy_path,
+            reference_path=str(store.local_path(reference)),
+            critic_path=critic_path,
+            state_path=str(state) if state.exists() else None,
+            outdir=str(ctx.outdir),
+            tracker=ctx.tracker,
+        )
+        log.info(
+            "%s: %s on %d samples (%d groups), %d workers, %d epochs x %d mini-batches",
+            STAGE, rcfg.algorithm, len(batch), int(data_metrics["groups"]), rcfg.num_workers, rcfg.ppo_epochs,
+            rcfg.mini_batches,
+        )  # fmt: skip
+        result, target_metrics = _launch(job, batch, rcfg, kl_coef, rcfg.ppo_epochs)
+        info = result.pop("model_info")
+        metrics = {**data_metrics, **target_metrics, **{k: float(v) for k, v in result.items() if k != "rank"}}
+        log.info("%s: %s", STAGE, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        manifest = {
+            "objective": "rl",
+            "algorithm": rcfg.algorithm,
+            "resolved_config": rcfg.model_dump(mode="json"),
+            "base_model": info.get("base_model") or policy.uri,
+            "architecture": info.get("architecture"),
+            "dtype": info.get("dtype"),
+            "adapter": info.get("adapter", False),
+            "critic": CRITIC_DIR if rcfg.uses_critic else None,
+            "next_kl_coef": target_metrics["next_kl_coef"],
+        }
+        return StageOutput(manifest=manifest, metrics=metrics)
+
+    return run_stage(STAGE, cfg, inputs, store, "model", build)
+
+
+def run_value_pretrain(cfg: RLConfig, scored: ArtifactRef, policy: ArtifactRef, store: ArtifactStore) -> ArtifactRef:
+    """VAPO value pretraining: `value_pretrain_steps` passes of the critic alone over samples of the fixed initial
+    policy, towards Monte-Carlo (lambda = 1) returns. Publishes an artifact holding only `critic/`."""
+    check_rl_inputs(cfg, [scored], policy, store)
+    rcfg = cfg.resolved()
+    if not rcfg.value_pretrain_steps:
+        raise ValueError(f"{VALUE_STAGE}: value_pretrain_steps is 0 for algorithm '{rcfg.algorithm}'")
+
+    def build(ctx: StageContext) -> StageOutput:
+        batch, data_metrics = load_batch(store, [scored], policy, rcfg.model_copy(update={"dynamic_sampling": False}))
+        policy_path = str(store.local_path(policy))
+        job = RLJob(
+            cfg=rcfg,
+            policy_path=policy_path,
+            reference_path=None,
+            critic_path=policy_path,
+            state_path=None,
+            outdir=str(ctx.outdir),
+            train_policy=False,
+            tracker=ctx.tracker,
+            stage=VALUE_STAGE,
+        )
+        result, target_metrics = _launch(job, batch, rcfg, 0.0, rcfg.value_pretrain_steps)
+        result.pop("model_info", None)
+        metrics = {**data_metrics, **{k: float(v) for k, v in result.items() if k in _VALUE_KEYS}}
+        metrics["value_mean_before"] = target_metrics.get("value_mean", 0.0)
+        return StageOutput(manifest={"objective": "value_pretrain", "critic": CRITIC_DIR}, metrics=metrics)
+
+    return run_stage(VALUE_STAGE, cfg, {"scored": scored, "policy": policy}, store, "model", build)
+
+
+_VALUE_KEYS = ("value_loss", "vf_clip_frac", "critic_grad_norm", "update_s")
+
+
+def update_inputs(scored: list[ArtifactRef], policy, reference, critic) -> dict[str, Any]:
+    """The update stage's named inputs (its key; the Prefect task's cache key uses the same)."""
+    inputs = {f"scored_{i}": s for i, s in enumerate(scored)} | {"policy": policy, "reference": reference}
+    return inputs | ({"critic": critic} if critic is not None else {})

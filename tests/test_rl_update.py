@@ -1,0 +1,144 @@
+"""The RL update stage on a tiny model on Ray (2 workers): it moves log-probs the way the advantages say.
+
+Responses to the same prompts get hand-set rewards (samples 0-1 of a prompt: 1, samples 2-3: 0), so GRPO and PPO
+must raise the log-prob of the rewarded responses and lower the others'.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_inputs, ray_session):
+    """(store, policy ref, rollouts ref) from the real rollout stage on the tiny base model."""
+    from posttrain_core.config import RolloutConfig
+    from posttrain_core.rollout.stage import run_rollout
+
+    store, data, base = tiny_inputs
+    cfg = RolloutConfig(n=4, max_prompts=6, max_tokens=6, num_engines=1, batch_size=8, seed=3)
+    return store, base, run_rollout(cfg, data.prompts, base, store)
+
+
+def _scored_with(store, rollouts, rewards_of, name: str):
+    """Publish the rollouts as scored_rollouts with reward = rewards_of(sample_index)."""
+    from posttrain_core.config import ScoreConfig
+    from posttrain_core.data.io import read_dataset, write_dataset
+    from posttrain_core.keys import stage_key
+    from posttrain_core.rewards.score import score_rollouts
+
+    table = score_rollouts(read_dataset(store.local_path(rollouts), "rollouts"), ScoreConfig())
+    rewards = [rewards_of(k) for k in table.column("sample_index").to_pylist()]
+    table = table.set_column(table.schema.get_field_index("reward"), "reward", pa.array(rewards, pa.float32()))
+    key = stage_key(f"test-scored-{name}", {"rewards": rewards}, [rollouts])
+    if store.get(key):
+        return store.get(key)
+    out = store.new_output_dir(key)
+    write_dataset(table, "scored_rollouts", out)
+    return store.publish(key, "dataset", out, {"stage": "test"}, schema_kind="scored_rollouts")
+
+
+def _sequence_logprobs(model_path: str, store, rollouts) -> list[float]:
+    import torch
+
+    from posttrain_core.algorithms.rl import token_logprobs
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.models.loading import load_causal_lm
+    from posttrain_core.train.rl import RLBatch, encode, response_logits
+
+    rows = read_dataset(store.local_path(rollouts), "rollouts").to_pylist()
+    batch = RLBatch(
+        prompt_ids=[r["prompt_ids"] for r in rows],
+        response_ids=[r["response_ids"] for r in rows],
+        policy_mask=[[1] * len(r["response_ids"]) for r in rows],
+        rollout_logprobs=[r["logprobs"] for r in rows],
+        scores=[0.0] * len(rows),
+        groups=[0] * len(rows),
+        correct=[False] * len(rows),
+    )
+    model = load_causal_lm(model_path).eval()
+    ids, attn, pos, labels, mask = encode(batch, list(range(len(rows))), 0)
+    with torch.no_grad():
+        logp = token_logprobs(response_logits(model, ids, attn, pos), labels)
+    return (logp * mask).sum(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "algorithm,lora",
+    [("grpo", False), ("ppo", False), ("reinforce_pp_baseline", True)],
+)
+def test_update_raises_rewarded_and_lowers_unrewarded_logprobs(sampled, algorithm, lora):
+    from posttrain_core.config import LoraConfig, RLConfig
+    from posttrain_core.models.loading import check_model_path
+    from posttrain_core.train.rl_stage import run_rl_update
+
+    store, base, rollouts = sampled
+    scored = _scored_with(store, rollouts, lambda k: 1.0 if k < 2 else 0.0, "half")
+    cfg = RLConfig(
+        algorithm=algorithm,
+        lr=3e-3 if lora else 1e-3,
+        ppo_epochs=2,
+        mini_batches=2,
+        micro_batch_size=4,
+        lora=LoraConfig(r=4, alpha=8) if lora else None,
+    )
+    new = run_rl_update(cfg, [scored], base, base, store)
+
+    before = _sequence_logprobs(str(store.local_path(base)), store, rollouts)
+    after = _sequence_logprobs(str(store.local_path(new)), store, rollouts)
+    k = [i % 4 for i in range(len(before))]
+    up = [a - b for a, b, s in zip(after, before, k, strict=True) if s < 2]
+    down = [a - b for a, b, s in zip(after, before, k, strict=True) if s >= 2]
+    assert sum(up) / len(up) > 0 > sum(down) / len(down), (up, down)
+
+    manifest = store.manifest(new)
+    metrics = manifest["metrics"]
+    assert metrics["logp_mismatch_mean"] < 1e-4, metrics  # the hf engine's log-probs are the trainer's
+    assert metrics["optimizer_steps"] == 4  # 2 epochs x 2 mini-batches
+    assert metrics["zero_advantage_frac"] < 0.5
+    assert check_model_path(new.uri)["is_adapter"] is lora
+    assert (manifest["critic"] is not None) is (algorithm == "ppo")
+    if lora:  # the reference is the base with the adapter disabled: KL starts at 0 exactly
+        assert metrics["kl_k1"] == 0.0 and metrics["kl_k3"] == 0.0
+
+
+def test_stale_rollouts_are_refused(sampled, tiny_inputs):
+    """Samples of one policy given to the update of another: an error naming the row, nothing published."""
+    from posttrain_core.config import RLConfig
+    from posttrain_core.train.rl_stage import run_rl_update
+
+    store, base, rollouts = sampled
+    scored = _scored_with(store, rollouts, lambda k: float(k % 2), "alt")
+    cfg = RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8)
+    first = run_rl_update(cfg, [scored], base, base, store)
+    n_before = len(store.list())
+    with pytest.raises(ValueError, match=r"row 0 was sampled by policy .* stale weights"):
+        run_rl_update(cfg, [scored], first, base, store)
+    assert len(store.list()) == n_before
+
+
+def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
+    """Same inputs: a cache hit. The next update (on the new policy's own samples) continues its optimizer state."""
+    import torch
+
+    from posttrain_core.config import RLConfig, RolloutConfig
+    from posttrain_core.rollout.stage import run_rollout
+    from posttrain_core.train.rl import STATE_FILE
+    from posttrain_core.train.rl_stage import run_rl_update
+
+    store, base, rollouts = sampled
+    scored = _scored_with(store, rollouts, lambda k: float(k == 0), "first")
+    cfg = RLConfig(algorithm="rloo", lr=1e-3, micro_batch_size=8)
+    a = run_rl_update(cfg, [scored], base, base, store)
+    assert run_rl_update(cfg, [scored], base, base, store) == a  # cache hit
+    assert store.manifest(a)["metrics"]["optimizer_steps"] == 1
+    state = torch.load(store.local_path(a) / STATE_FILE, weights_only=False)
+    assert state["step"] == 1 and state["policy_optimizer"]["state"], "Adam moments are carried to the next update"
+
+    rollout_cfg = RolloutConfig(n=4, max_prompts=6, max_tokens=6, num_engines=1, batch_size=8, seed=4)
+    again = run_rollout(rollout_cfg, tiny_inputs[1].prompts, a, store)
+    b = run_rl_update(cfg, [_scored_with(store, again, lambda k: float(k == 1), "second")], a, base, store)
+    assert store.manifest(b)["metrics"]["optimizer_steps"] == 2
