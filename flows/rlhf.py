@@ -10,6 +10,7 @@ or from Python, e.g. PPO from an existing checkpoint:
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +65,14 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         if rl.uses_critic and rl.value_pretrain_steps:
             samples = rollout(iteration_rollout(config.rollout, 0), data.prompts, start, 0, root, pid)
             critic = value_pretrain(config.rl, score(score_cfg, samples, rm, 0, root, pid), start, root, pid)
-        curve = []
+        curve, timings = [], []
         for k in range(1, config.iterations + 1):
-            scored, counts = [], []
+            started = time.time()
+            samples, scored, counts = [], [], []
             for j in range(gen_batches):
                 cfg_kj = iteration_rollout(config.rollout, k, j, gen_batches)
-                scored.append(score(score_cfg, rollout(cfg_kj, data.prompts, policy, k, root, pid), rm, k, root, pid))
+                samples.append(rollout(cfg_kj, data.prompts, policy, k, root, pid))
+                scored.append(score(score_cfg, samples[-1], rm, k, root, pid))
                 if rl.dynamic_sampling:
                     counts.append(informative_groups(store, scored[-1]))
                     if check_dynamic_sampling(counts, config.rollout.max_prompts, rl.max_gen_batches):
@@ -79,6 +82,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             metrics = store.manifest(policy)["metrics"]
             run.log_metrics({f"rl/{name}": value for name, value in metrics.items()}, step=k)
             curve.append(reports.curve_row(k, metrics))
+            timings.append(reports.iteration_timing(store, k, started, samples, scored, policy))
             if config.eval_every and k % config.eval_every == 0 and k < config.iterations:
                 evals[k] = evaluate(config.eval, data.eval, policy, f"iter{k}", root, pid)
         evals[config.iterations] = evaluate(config.eval, data.eval, policy, f"iter{config.iterations}", root, pid)
@@ -99,6 +103,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         "policy": policy,
         "start": start,
         "curve": curve,
+        "timings": timings,
         "accuracy": accuracy,
         "eval": evals,
         "curve_png": str(png),

@@ -333,7 +333,11 @@ class RLHFFlowConfig(_Config):
         description="sampling; max_prompts = prompts per iteration, taken in turn from the training prompts",
     )
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="rewards")
-    rl: RLConfig = Field(default_factory=RLConfig, description="the RL update")
+    rl: RLConfig = Field(
+        # tuned for the embedded demo's 0.8M-parameter model; real models want lr ~1e-6
+        default_factory=lambda: RLConfig(lr=5e-4, mini_batches=4),
+        description="the RL update",
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation before and after RL")
     eval_every: int = Field(0, ge=0, description="also evaluate every k iterations (0 = only before and after)")
 

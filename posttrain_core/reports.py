@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,29 @@ def plot_curve(rows: list[dict[str, Any]], evals: dict[int, float], path: str | 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+
+def iteration_timing(store, iteration: int, started: float, rollouts: list, scored: list, update) -> dict[str, float]:
+    """Where one RL iteration's wall time (from `started`, a time.time()) went, from its stages' manifests.
+
+    generate / score / train are the work (engine generation, scoring, old-log-prob pass + advantages + optimizer
+    steps); startup is stage-internal start-up (engine actors, worker process group, model loading); orchestration
+    is the rest: Prefect task runs, cache lookups, artifact writing and reading. An iteration whose update was a
+    cache hit (a resumed run) is all orchestration.
+    """
+    from datetime import datetime
+
+    wall = time.time() - started
+    roll = [store.manifest(r) for r in rollouts]
+    upd = store.manifest(update)
+    row = {"iteration": iteration, "wall_s": wall, "generate_s": 0.0, "score_s": 0.0, "train_s": 0.0, "startup_s": 0.0}
+    if datetime.fromisoformat(upd["created"]).timestamp() >= started:
+        m = upd["metrics"]
+        row["generate_s"] = sum(r["metrics"]["tokens"] / max(r["metrics"]["tokens_per_s"], 1e-9) for r in roll)
+        row["score_s"] = sum(store.manifest(s)["duration_s"] for s in scored)
+        row["train_s"] = m.get("prepare_s", 0.0) + m.get("train_s", 0.0)
+        startup = sum(r["duration_s"] for r in roll) - row["generate_s"] + upd["duration_s"] - row["train_s"]
+        row["startup_s"] = max(startup, 0.0)
+    row["orchestration_s"] = max(wall - sum(row[k] for k in ("generate_s", "score_s", "train_s", "startup_s")), 0.0)
+    return row

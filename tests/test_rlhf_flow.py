@@ -40,7 +40,7 @@ def _config(store: Path, **overrides):
         sft=None,
         iterations=2,
         rollout=RolloutConfig(n=4, max_prompts=8, max_tokens=8, num_engines=1, batch_size=8),
-        score=ScoreConfig(verifiers={"regex": 1.0}, regex="[0-9]"),
+        score=ScoreConfig(verifiers={"regex": 1.0, "exact_match": 0.0}, regex="[0-9]"),  # exact_match: `correct` only
         rl=RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8, mini_batches=2),
         eval=EvalConfig(max_new_tokens=4, num_workers=1),
     )

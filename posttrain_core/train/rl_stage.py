@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -254,9 +255,11 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
             f"{job.stage}: {len(batch)} samples cannot fill {cfg.mini_batches} mini-batches on {cfg.num_workers} "
             "workers (every worker needs a row per mini-batch): sample more prompts or lower rl.mini_batches"
         )
+    t0 = time.time()
     group = WorkerGroup(RLWorker, cfg.num_workers)
     try:
         group.run("load", job)
+        t1 = time.time()
         batch_ref = ray.put(batch)
         shards = split(list(range(len(batch))), cfg.num_workers)
         parts = ray.get([a.prepare.remote(batch_ref, s) for a, s in zip(group.actors, shards, strict=False)])
@@ -265,9 +268,12 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
             for k in prepared:
                 prepared[k] += part[k]
         targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs)
+        t2 = time.time()
         result = group.run("update", batch_ref, targets)[0]
     finally:
         group.shutdown()
+    # start-up (actors, process group, model loading) vs the work: old/ref log-probs + advantages, then the update
+    target_metrics.update(startup_s=t1 - t0, prepare_s=t2 - t1, train_s=time.time() - t2)
     return result, target_metrics
 
 

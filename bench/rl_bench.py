@@ -1,0 +1,140 @@
+"""RL benchmark: does each algorithm raise held-out accuracy over the SFT model, and where does an iteration's time go?
+
+    python -m bench.rl_bench                              # SFT demo model (built or cached), every algorithm
+    python -m bench.rl_bench --algorithms grpo,ppo --iterations 10
+    python -m bench.rl_bench --model PATH                 # start from an existing checkpoint instead of the SFT demo
+
+Every algorithm runs the real `rlhf_flow` (ephemeral Prefect, local Ray, 2 update workers, hf rollout engine) from
+the same starting policy, on the same prompts (the arithmetic training prompts, taken in turn), with the same seeds
+and rollout settings. Printed:
+
+1. learning: greedy held-out exact-match accuracy (all families, and arithmetic alone) of the start policy and of the
+   final policy, the change, and the sample reward of the first and last iterations;
+2. the reward curve (sample reward per iteration) of each algorithm;
+3. time per iteration, median over the iterations: generation, scoring, training (old log-probs, advantages,
+   optimizer steps), stage start-up (Ray actors, process groups, model loading) and orchestration (Prefect task
+   runs, cache lookups, artifact I/O), as fractions of the iteration's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ALGORITHMS = ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo")
+PARTS = ("generate_s", "score_s", "train_s", "startup_s", "orchestration_s")
+
+
+def sft_model(store: str) -> str:
+    """The foundation demo's SFT model (`flows.sft` on its defaults), built once in `store` and cached after."""
+    from flows.sft import sft_flow
+    from posttrain_core.config import SFTFlowConfig
+
+    return sft_flow(SFTFlowConfig(store=store))["model"].uri
+
+
+def run_algorithm(args, algorithm: str, start: str) -> dict:
+    from flows.rlhf import rlhf_flow
+    from posttrain_core.config import RLHFFlowConfig
+
+    rl = {
+        "algorithm": algorithm, "lr": args.lr, "critic_lr": args.critic_lr, "num_workers": args.workers,
+        "mini_batches": args.mini_batches,
+    }  # fmt: skip
+    families = args.families.split(",") if args.families else []
+    cfg = RLHFFlowConfig(
+        store=args.store,
+        model={"path": start},
+        pretrain=None,
+        sft=None,
+        iterations=args.iterations,
+        rollout={"n": args.n, "max_prompts": args.prompts, "max_tokens": args.max_tokens, "families": families},
+        rl=rl,
+    )
+    t0 = time.time()
+    result = rlhf_flow(cfg)
+    result["wall_s"] = time.time() - t0
+    result["eval_metrics"] = {k: _manifest(result["store"], ref)["metrics"] for k, ref in result["eval"].items()}
+    return result
+
+
+def _manifest(root: str, ref) -> dict:
+    from posttrain_core.artifacts import ArtifactStore
+
+    return ArtifactStore(root).manifest(ref)
+
+
+def report(results: dict[str, dict], args) -> str:
+    lines = [
+        f"RL benchmark: {args.iterations} iterations x {args.prompts} arithmetic prompts x n={args.n}, "
+        f"max_tokens={args.max_tokens}, families={args.families or 'all'}, {args.mini_batches} optimizer steps/iteration, lr={args.lr} (critic {args.critic_lr}), {args.workers} update workers, "
+        f"hf engine, torch threads={os.cpu_count()}",
+        "",
+        "1. learning (greedy held-out exact match; start = the SFT model)",
+        f"{'algorithm':<22} {'acc start':>9} {'acc end':>8} {'change':>7} {'arith start':>11} {'arith end':>9} "
+        f"{'reward it1':>10} {'reward last':>11} {'wall s':>7}",
+    ]
+    for name, r in results.items():
+        ev = r["eval_metrics"]
+        first, last = min(ev), max(ev)
+        a0, a1 = ev[first]["accuracy"], ev[last]["accuracy"]
+        b0, b1 = ev[first].get("accuracy/arithmetic", 0.0), ev[last].get("accuracy/arithmetic", 0.0)
+        lines.append(
+            f"{name:<22} {a0:>9.3f} {a1:>8.3f} {a1 - a0:>+7.3f} {b0:>11.3f} {b1:>9.3f} "
+            f"{r['curve'][0]['reward_mean']:>10.3f} {r['curve'][-1]['reward_mean']:>11.3f} {r['wall_s']:>7.0f}"
+        )
+    lines += ["", "2. reward curve (sample reward mean per iteration)"]
+    for name, r in results.items():
+        lines.append(f"{name:<22} " + " ".join(f"{row['reward_mean']:.3f}" for row in r["curve"]))
+    lines += [
+        "",
+        "3. time per iteration (median over iterations), as fractions of the iteration's wall time",
+        f"{'algorithm':<22} {'wall s':>7} " + " ".join(f"{p[:-2]:>13}" for p in PARTS),
+    ]
+    for name, r in results.items():
+        med = {k: statistics.median(t[k] for t in r["timings"]) for k in ("wall_s", *PARTS)}
+        lines.append(f"{name:<22} {med['wall_s']:>7.1f} " + " ".join(f"{med[p] / med['wall_s']:>13.2f}" for p in PARTS))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=32, help="prompts per iteration")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--lr", type=float, default=None, help="policy learning rate (default: RLConfig's)")
+    p.add_argument("--critic-lr", type=float, default=None)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--mini-batches", type=int, default=None, help="optimizer steps per iteration (default: RLConfig's)")
+    p.add_argument("--families", default="arithmetic", help="task families to train on, comma-separated ('' = all)")
+    p.add_argument("--model", default=None, help="start policy (default: the SFT demo model, built in --store)")
+    p.add_argument("--store", default=None, help="artifact store (default: a temporary folder)")
+    p.add_argument("--json", default=None, help="also write the raw results here")
+    args = p.parse_args()
+    from posttrain_core.config import RLHFFlowConfig
+
+    defaults = RLHFFlowConfig().rl  # the demo's settings
+    args.lr = args.lr or defaults.lr
+    args.critic_lr = args.critic_lr or defaults.critic_lr
+    args.mini_batches = args.mini_batches or defaults.mini_batches
+    args.store = args.store or tempfile.mkdtemp(prefix="posttrain-rl-bench-")
+    start = args.model or sft_model(args.store)
+    results = {}
+    for name in args.algorithms.split(","):
+        results[name] = run_algorithm(args, name, start)
+        print(report(results, args), flush=True)
+    if args.json:
+        keep = ("curve", "timings", "accuracy", "wall_s", "eval_metrics")
+        Path(args.json).write_text(json.dumps({k: {f: v[f] for f in keep} for k, v in results.items()}, indent=1))
+    print("\n" + report(results, args))
+
+
+if __name__ == "__main__":
+    main()
