@@ -386,3 +386,13 @@ def test_registry_and_names():
     )
     assert ADVANTAGE_ESTIMATORS["vapo"] is gae_advantages and ADVANTAGE_ESTIMATORS["grpo"] is grpo_advantages
     assert KL_ESTIMATORS == ("k1", "abs", "k2", "k3")
+
+
+def test_dynamic_sampling_stops_when_filled_and_gives_up_only_with_nothing():
+    from posttrain_core.train.rl_stage import DynamicSamplingError, check_dynamic_sampling
+
+    assert check_dynamic_sampling([(5, 8), (3, 8)], want=8, max_gen_batches=3)  # filled after 2 batches
+    assert not check_dynamic_sampling([(2, 8)], want=8, max_gen_batches=3)  # sample another batch
+    assert check_dynamic_sampling([(1, 8), (0, 8), (2, 8)], want=8, max_gen_batches=3)  # 3 groups: train on them
+    with pytest.raises(DynamicSamplingError, match=r"only 0 of the 8 wanted prompts .*\(24 prompts sampled"):
+        check_dynamic_sampling([(0, 8), (0, 8), (0, 8)], want=8, max_gen_batches=3)

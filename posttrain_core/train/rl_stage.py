@@ -62,19 +62,30 @@ def informative_groups(store: ArtifactStore, scored: ArtifactRef) -> tuple[int, 
 
 
 def check_dynamic_sampling(counts: list[tuple[int, int]], want: int, max_gen_batches: int) -> bool:
-    """True when the batches so far hold `want` informative groups; raises after `max_gen_batches` without."""
+    """Whether to stop sampling: True once the batches so far hold `want` informative groups, or after
+    `max_gen_batches` batches with at least one (the update then trains on fewer groups, with a warning).
+
+    Raises:
+        DynamicSamplingError: `max_gen_batches` batches and not one group with non-uniform rewards.
+    """
     have = sum(k for k, _ in counts)
     if have >= want:
         return True
-    if len(counts) >= max_gen_batches:
-        seen = sum(n for _, n in counts)
+    if len(counts) < max_gen_batches:
+        return False
+    seen = sum(n for _, n in counts)
+    if have == 0:
         raise DynamicSamplingError(
-            f"dynamic sampling: only {have} of the {want} wanted prompts have non-uniform rewards after "
-            f"max_gen_batches={max_gen_batches} generation batches ({seen} prompts sampled; every other group was "
-            "all-correct or all-wrong, so its advantages are zero). Raise rl.max_gen_batches or rollout.n, use "
+            f"dynamic sampling: only 0 of the {want} wanted prompts have non-uniform rewards after "
+            f"max_gen_batches={max_gen_batches} generation batches ({seen} prompts sampled; every group was "
+            "all-correct or all-wrong, so every advantage is zero). Raise rl.max_gen_batches or rollout.n, use "
             "easier prompts or a stronger starting policy, or set rl.dynamic_sampling=false"
         )
-    return False
+    log.warning(
+        "dynamic sampling: %d of the %d wanted prompts have non-uniform rewards after max_gen_batches=%d "
+        "(%d prompts sampled); updating on those", have, want, max_gen_batches, seen,
+    )  # fmt: skip
+    return True
 
 
 def critic_source(store: ArtifactStore, ref: ArtifactRef | None) -> str | None:
