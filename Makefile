@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m flows.sft
+	$(PY) -m flows.rlhf
 
 # The vLLM rollout engine's own environment (same Python and ray; vLLM pins fastapi/transformers versions that
 # conflict with Prefect's). Engine actors run in it through Ray's runtime_env.

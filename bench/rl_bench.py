@@ -5,11 +5,12 @@
     python -m bench.rl_bench --model PATH                 # start from an existing checkpoint instead of the SFT demo
 
 Every algorithm runs the real `rlhf_flow` (ephemeral Prefect, local Ray, 2 update workers, hf rollout engine) from
-the same starting policy, on the same prompts (the arithmetic training prompts, taken in turn), with the same seeds
-and rollout settings. Printed:
+the same starting policy, on the same prompts (the synthetic training prompts, arithmetic and letter reversal, the
+next window of them every iteration), with the same seeds and rollout settings. Printed:
 
-1. learning: greedy held-out exact-match accuracy (all families, and arithmetic alone) of the start policy and of the
-   final policy, the change, and the sample reward of the first and last iterations;
+1. learning: held-out accuracy of the start policy and of the final policy, sampled (pass@1 of 8 samples per prompt
+   at the rollout temperature: the quantity RL optimises) and greedy (overall and per family), and the training
+   reward of the first and last iterations;
 2. the reward curve (sample reward per iteration) of each algorithm;
 3. time per iteration, median over the iterations: generation, scoring, training (old log-probs, advantages,
    optimizer steps), stage start-up (Ray actors, process groups, model loading) and orchestration (Prefect task
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 ALGORITHMS = ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo")
+FAMILIES = ("arithmetic", "reverse")
 PARTS = ("generate_s", "score_s", "train_s", "startup_s", "orchestration_s")
 
 
@@ -71,22 +73,26 @@ def _manifest(root: str, ref) -> dict:
 
 def report(results: dict[str, dict], args) -> str:
     lines = [
-        f"RL benchmark: {args.iterations} iterations x {args.prompts} arithmetic prompts x n={args.n}, "
+        f"RL benchmark: {args.iterations} iterations x {args.prompts} prompts x n={args.n}, "
         f"max_tokens={args.max_tokens}, families={args.families or 'all'}, {args.mini_batches} optimizer steps/iteration, lr={args.lr} (critic {args.critic_lr}), {args.workers} update workers, "
         f"hf engine, torch threads={os.cpu_count()}",
         "",
-        "1. learning (greedy held-out exact match; start = the SFT model)",
-        f"{'algorithm':<22} {'acc start':>9} {'acc end':>8} {'change':>7} {'arith start':>11} {'arith end':>9} "
-        f"{'reward it1':>10} {'reward last':>11} {'wall s':>7}",
+        "1. learning on the 200 held-out prompts (start = the SFT model): sampled = mean exact match of 8 samples per",
+        "   prompt at the rollout temperature (what RL optimises), greedy = exact match of the greedy answer",
+        f"{'algorithm':<22} {'sampled':>15} {'change':>7} {'greedy':>13} {'change':>7} {'greedy arith':>13} "
+        f"{'greedy reverse':>14} {'train reward':>13} {'wall s':>7}",
     ]
     for name, r in results.items():
-        ev = r["eval_metrics"]
+        ev, sa = r["eval_metrics"], r["sampled_accuracy"]
         first, last = min(ev), max(ev)
         a0, a1 = ev[first]["accuracy"], ev[last]["accuracy"]
-        b0, b1 = ev[first].get("accuracy/arithmetic", 0.0), ev[last].get("accuracy/arithmetic", 0.0)
+        s0, s1 = sa[first]["pass@1"], sa[last]["pass@1"]
+        fam = {f: (ev[first].get(f"accuracy/{f}", 0.0), ev[last].get(f"accuracy/{f}", 0.0)) for f in FAMILIES}
         lines.append(
-            f"{name:<22} {a0:>9.3f} {a1:>8.3f} {a1 - a0:>+7.3f} {b0:>11.3f} {b1:>9.3f} "
-            f"{r['curve'][0]['reward_mean']:>10.3f} {r['curve'][-1]['reward_mean']:>11.3f} {r['wall_s']:>7.0f}"
+            f"{name:<22} {s0:>6.3f} -> {s1:.3f} {s1 - s0:>+7.3f} {a0:>5.3f} -> {a1:.3f} {a1 - a0:>+7.3f} "
+            f"{fam['arithmetic'][0]:>5.3f} -> {fam['arithmetic'][1]:.3f} {fam['reverse'][0]:>6.3f} -> "
+            f"{fam['reverse'][1]:.3f} {r['curve'][0]['reward_mean']:>5.3f} -> {r['curve'][-1]['reward_mean']:.3f} "
+            f"{r['wall_s']:>7.0f}"
         )
     lines += ["", "2. reward curve (sample reward mean per iteration)"]
     for name, r in results.items():
@@ -106,21 +112,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--iterations", type=int, default=10)
-    p.add_argument("--prompts", type=int, default=32, help="prompts per iteration")
-    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per iteration")
+    p.add_argument("--n", type=int, default=16, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=None, help="policy learning rate (default: RLConfig's)")
     p.add_argument("--critic-lr", type=float, default=None)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--mini-batches", type=int, default=None, help="optimizer steps per iteration (default: RLConfig's)")
-    p.add_argument("--families", default="arithmetic", help="task families to train on, comma-separated ('' = all)")
+    p.add_argument("--families", default="", help="task families to train on, comma-separated ('' = all)")
     p.add_argument("--model", default=None, help="start policy (default: the SFT demo model, built in --store)")
     p.add_argument("--store", default=None, help="artifact store (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args()
-    from posttrain_core.config import RLHFFlowConfig
+    from posttrain_core.config import RLConfig
 
-    defaults = RLHFFlowConfig().rl  # the demo's settings
+    defaults = RLConfig()
     args.lr = args.lr or defaults.lr
     args.critic_lr = args.critic_lr or defaults.critic_lr
     args.mini_batches = args.mini_batches or defaults.mini_batches
@@ -131,7 +137,7 @@ def main() -> None:
         results[name] = run_algorithm(args, name, start)
         print(report(results, args), flush=True)
     if args.json:
-        keep = ("curve", "timings", "accuracy", "wall_s", "eval_metrics")
+        keep = ("curve", "timings", "accuracy", "sampled_accuracy", "wall_s", "eval_metrics")
         Path(args.json).write_text(json.dumps({k: {f: v[f] for f in keep} for k, v in results.items()}, indent=1))
     print("\n" + report(results, args))
 

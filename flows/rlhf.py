@@ -60,6 +60,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             start = sft(config.sft, data.sft, start, root, pid)
         rm = reward_model(config.reward_model, data.preferences, start, root, pid) if config.reward_model else None
         evals = {0: evaluate(config.eval, data.eval, start, "iter0", root, pid)}
+        sampled = {0: _sampled_accuracy(config, store, data.eval, start, 0, pid)} if config.eval_samples else {}
 
         policy, critic = start, None
         if rl.uses_critic and rl.value_pretrain_steps:
@@ -86,16 +87,26 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             if config.eval_every and k % config.eval_every == 0 and k < config.iterations:
                 evals[k] = evaluate(config.eval, data.eval, policy, f"iter{k}", root, pid)
         evals[config.iterations] = evaluate(config.eval, data.eval, policy, f"iter{config.iterations}", root, pid)
+        if config.eval_samples:
+            sampled[config.iterations] = _sampled_accuracy(config, store, data.eval, policy, config.iterations, pid)
 
         accuracy = {k: store.manifest(ref)["metrics"]["accuracy"] for k, ref in evals.items()}
         family = {k: store.manifest(ref)["metrics"] for k, ref in evals.items()}
         run.log_metrics({"eval/accuracy_before": accuracy[0], "eval/accuracy_after": accuracy[config.iterations]})
+        if sampled:
+            run.log_metrics(
+                {
+                    f"eval/sampled_{k.replace('@', '_at_')}_{when}": sampled[i][k]
+                    for i, when in ((0, "before"), (config.iterations, "after"))
+                    for k in ("pass@1", f"pass@{config.eval_samples}")
+                }
+            )
         png = reports.plot_curve(
             curve, accuracy, Path(root) / "reports" / f"rlhf-{pid}.png", f"{rl.algorithm}: reward per iteration"
         )
         run.log_artifact(png)
 
-    summary = _summary(rl.algorithm, store, policy, curve, accuracy, family, png, pid)
+    summary = _summary(rl.algorithm, store, policy, curve, accuracy, family, sampled, png, pid)
     create_table_artifact(curve, key="rlhf-curve", description="RL reward/accuracy per iteration")
     create_markdown_artifact(summary, key="rlhf-summary", description="RLHF pipeline result")
     get_run_logger().info("\n%s", summary)
@@ -105,6 +116,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         "curve": curve,
         "timings": timings,
         "accuracy": accuracy,
+        "sampled_accuracy": sampled,
         "eval": evals,
         "curve_png": str(png),
         "mlflow_run_id": pid,
@@ -112,14 +124,39 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
     }
 
 
-def _summary(algorithm, store, policy, curve, accuracy, family, png, run_id) -> str:
+def _sampled_accuracy(config: RLHFFlowConfig, store, prompts, policy, iteration: int, pid: str) -> dict[str, float]:
+    """pass@1 and pass@n of `policy` on the held-out prompts, sampled like the rollouts (the quantity RL raises)."""
+    from posttrain_core.config import ScoreConfig
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.rewards.passk import pass_at_k_table
+
+    n = config.eval_samples
+    cfg = config.rollout.model_copy(
+        update={"n": n, "max_prompts": config.eval.max_prompts, "prompt_start": 0, "families": [], "seed": 7_777}
+    )
+    root = str(store.root)
+    samples = rollout(cfg, prompts, policy, f"eval{iteration}", root, pid)
+    scored = score(ScoreConfig(verifiers={config.eval.verifier: 1.0}), samples, None, f"eval{iteration}", root, pid)
+    return pass_at_k_table(read_dataset(store.local_path(scored), "scored_rollouts"), dict.fromkeys((1, n)))
+
+
+def _summary(algorithm, store, policy, curve, accuracy, family, sampled, png, run_id) -> str:
     last = max(accuracy)
     fams = sorted(k for k in family[0] if k.startswith("accuracy/"))
-    by_family = ", ".join(f"{k.split('/')[1]} {family[0][k]:.3f} -> {family[last].get(k, float('nan')):.3f}" for k in fams)
+    by_family = ", ".join(
+        f"{k.split('/')[1]} {family[0][k]:.3f} -> {family[last].get(k, float('nan')):.3f}" for k in fams
+    )
+    lines = []
+    if sampled:
+        lines = [
+            f"- held-out sampled accuracy (pass@1, samples at the rollout temperature): start "
+            f"**{sampled[0]['pass@1']:.3f}** -> after RL **{sampled[last]['pass@1']:.3f}**"
+        ]
     return "\n".join(
         [
             f"## posttrain RLHF result ({algorithm}, {len(curve)} iterations)",
-            f"- held-out accuracy: start **{accuracy[0]:.3f}** -> after RL **{accuracy[last]:.3f}** ({by_family})",
+            f"- held-out greedy accuracy: start **{accuracy[0]:.3f}** -> after RL **{accuracy[last]:.3f}** ({by_family})",
+            *lines,
             f"- final policy: `{policy.uri}`",
             f"- reward curve: `{png}`",
             "",
@@ -132,9 +169,12 @@ def _summary(algorithm, store, policy, curve, accuracy, family, png, run_id) -> 
 
 if __name__ == "__main__":
     result = rlhf_flow()
-    acc = result["accuracy"]
+    acc, sampled = result["accuracy"], result["sampled_accuracy"]
+    if sampled:
+        print(f"\nheld-out sampled accuracy (pass@1): start {sampled[0]['pass@1']:.3f} -> after RL "
+              f"{sampled[max(sampled)]['pass@1']:.3f}")  # fmt: skip
     print(
-        f"\nheld-out accuracy: start {acc[0]:.3f} -> after RL {acc[max(acc)]:.3f}\nfinal policy: {result['policy'].uri}"
+        f"held-out greedy accuracy: start {acc[0]:.3f} -> after RL {acc[max(acc)]:.3f}\nfinal policy: {result['policy'].uri}"
         f"\nreward curve: {result['curve_png']}\nMLflow parent run: {result['mlflow_run_id']} "
         f"({tracking.tracking_uri(result['store'])})"
     )

@@ -235,13 +235,14 @@ class RLConfig(_Config):
 
     algorithm: Algorithm = Field("grpo", description="RL algorithm (see ALGORITHMS.md)")
     num_workers: int = Field(2, ge=1, description="Ray workers (torch.distributed data-parallel ranks)")
-    lr: float = Field(2e-5, gt=0, description="policy learning rate (AdamW, constant after warm-up)")
+    # lr and mini_batches default to what the embedded 0.8M-parameter demo model learns with; LLMs want lr ~1e-6
+    lr: float = Field(5e-4, gt=0, description="policy learning rate (AdamW, constant after warm-up)")
     critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (PPO, VAPO)")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up in optimizer steps, counted across iterations")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping (0 = off)")
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per update")
-    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch (the batch is cut into this many)")
+    mini_batches: int = Field(4, ge=1, description="optimizer steps per epoch (the batch is cut into this many)")
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward pass on one worker")
     policy_loss: Literal["clip", "gspo"] = Field("clip", description="token-ratio PPO clip, or GSPO sequence ratio")
     clip_low: float | None = Field(None, gt=0, lt=1, description="ratio clip below 1 - clip_low (empty: preset)")
@@ -329,17 +330,16 @@ class RLHFFlowConfig(_Config):
     )
     iterations: int = Field(10, ge=1, description="RL iterations of rollout -> score -> update")
     rollout: RolloutConfig = Field(
-        default_factory=lambda: RolloutConfig(n=8, max_prompts=32, max_tokens=16, families=["arithmetic"]),
+        default_factory=lambda: RolloutConfig(n=16, max_prompts=64, max_tokens=16),
         description="sampling; max_prompts = prompts per iteration, taken in turn from the training prompts",
     )
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="rewards")
-    rl: RLConfig = Field(
-        # tuned for the embedded demo's 0.8M-parameter model; real models want lr ~1e-6
-        default_factory=lambda: RLConfig(lr=5e-4, mini_batches=4),
-        description="the RL update",
-    )
+    rl: RLConfig = Field(default_factory=RLConfig, description="the RL update")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation before and after RL")
     eval_every: int = Field(0, ge=0, description="also evaluate every k iterations (0 = only before and after)")
+    eval_samples: int = Field(
+        8, ge=0, description="held-out sampled accuracy: samples per held-out prompt at the rollout temperature (0 = off)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RLHFFlowConfig:

@@ -49,7 +49,6 @@ def plot_curve(rows: list[dict[str, Any]], evals: dict[int, float], path: str | 
     return path
 
 
-
 def iteration_timing(store, iteration: int, started: float, rollouts: list, scored: list, update) -> dict[str, float]:
     """Where one RL iteration's wall time (from `started`, a time.time()) went, from its stages' manifests.
 

@@ -29,7 +29,7 @@ def rollout(
     cfg: RolloutConfig,
     prompts: ArtifactRef,
     policy: ArtifactRef,
-    iteration: int = 0,
+    iteration: int | str = 0,
     store_root: str | None = None,
     parent_run_id: str | None = None,
 ) -> ArtifactRef:
@@ -54,7 +54,7 @@ def score(
     cfg: ScoreConfig,
     rollouts: ArtifactRef,
     reward_model: ArtifactRef | None = None,
-    iteration: int = 0,
+    iteration: int | str = 0,
     store_root: str | None = None,
     parent_run_id: str | None = None,
 ) -> ArtifactRef:

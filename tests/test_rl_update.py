@@ -131,7 +131,7 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
 
     store, base, rollouts = sampled
     scored = _scored_with(store, rollouts, lambda k: float(k == 0), "first")
-    cfg = RLConfig(algorithm="rloo", lr=1e-3, micro_batch_size=8)
+    cfg = RLConfig(algorithm="rloo", lr=1e-3, micro_batch_size=8, mini_batches=1)
     a = run_rl_update(cfg, [scored], base, base, store)
     assert run_rl_update(cfg, [scored], base, base, store) == a  # cache hit
     assert store.manifest(a)["metrics"]["optimizer_steps"] == 1
