@@ -43,6 +43,7 @@ def _config(store: Path, **overrides):
         score=ScoreConfig(verifiers={"regex": 1.0, "exact_match": 0.0}, regex="[0-9]"),  # exact_match: `correct` only
         rl=RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8, mini_batches=2),
         eval=EvalConfig(max_new_tokens=4, num_workers=1),
+        eval_samples=2,
     )
     return RLHFFlowConfig(**{**fields, **overrides})
 
@@ -79,7 +80,14 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     store = ArtifactStore(cfg.store)
 
     # 1. Run in its own process; SIGKILL the process group once iteration 2's samples are scored (its update runs).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    import ray
+
+    # The run joins this session's Ray cluster (a flow process on a shared cluster; also no second raylet to start).
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+    }
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-c", KILLED_RUN, cfg.model_dump_json()],
@@ -87,10 +95,14 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     )  # fmt: skip
     deadline = time.time() + 600
     try:
-        while _stage_count(store, "score") < 2 or _stage_count(store, "rl_update") < 1:
+        # The kill comes once Prefect has finished iteration 2's score task (its cache record is written), while
+        # the update runs (its Ray start-up alone takes seconds). A kill between a stage's publish and the end of
+        # its task is survived too, but the rerun then shows that task as Completed (a store hit), not Cached.
+        while "Task run 'score[iter=2]' - Finished in state Completed()" not in (tmp_path / "killed.log").read_text():
             assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
             assert time.time() < deadline, "iteration 2 never started"
             time.sleep(0.2)
+        time.sleep(1.0)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -105,7 +117,8 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
         assert states[name] == ["Cached"], (name, states)
     assert states["update[iter=2]"] == ["Completed"], states
     assert published <= {ref.key for ref in store.list()}
-    assert _stage_count(store, "rl_update") == 2 and _stage_count(store, "rollout") == 2
+    assert _stage_count(store, "rl_update") == 2 and _stage_count(store, "rollout") == 4  # + 2 held-out evals
+    assert result["sampled_accuracy"][0]["num_prompts"] == 16
 
     # 3. The same final policy as an uninterrupted run with the same seeds, in a fresh store.
     fresh = rlhf_flow(_config(tmp_path / "fresh"))
@@ -144,4 +157,4 @@ def test_dynamic_sampling_gives_up_when_every_group_is_uniform(prefect_api, ray_
     from posttrain_core.artifacts import ArtifactStore
 
     store = ArtifactStore(cfg.store)
-    assert _stage_count(store, "rollout") == 2 and _stage_count(store, "rl_update") == 0
+    assert _stage_count(store, "rollout") == 3 and _stage_count(store, "rl_update") == 0  # held-out eval + 2 batches
