@@ -46,7 +46,7 @@ def run_algorithm(args, algorithm: str, start: str) -> dict:
 
     rl = {
         "algorithm": algorithm, "lr": args.lr, "critic_lr": args.critic_lr, "num_workers": args.workers,
-        "mini_batches": args.mini_batches,
+        "mini_batches": args.mini_batches, "ppo_epochs": args.epochs,
     }  # fmt: skip
     families = args.families.split(",") if args.families else []
     cfg = RLHFFlowConfig(
@@ -74,7 +74,8 @@ def _manifest(root: str, ref) -> dict:
 def report(results: dict[str, dict], args) -> str:
     lines = [
         f"RL benchmark: {args.iterations} iterations x {args.prompts} prompts x n={args.n}, "
-        f"max_tokens={args.max_tokens}, families={args.families or 'all'}, {args.mini_batches} optimizer steps/iteration, lr={args.lr} (critic {args.critic_lr}), {args.workers} update workers, "
+        f"max_tokens={args.max_tokens}, families={args.families or 'all'}, {args.epochs} epoch(s) x "
+        f"{args.mini_batches} mini-batches, lr={args.lr} (critic {args.critic_lr}), {args.workers} update workers, "
         f"hf engine, torch threads={os.cpu_count()}",
         "",
         "1. learning on the 200 held-out prompts (start = the SFT model): sampled = mean exact match of 8 samples per",
@@ -118,7 +119,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=None, help="policy learning rate (default: RLConfig's)")
     p.add_argument("--critic-lr", type=float, default=None)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--mini-batches", type=int, default=None, help="optimizer steps per iteration (default: RLConfig's)")
+    p.add_argument("--mini-batches", type=int, default=None, help="optimizer steps per epoch (default: RLConfig's)")
+    p.add_argument("--epochs", type=int, default=None, help="passes over each iteration's batch (default: RLConfig's)")
     p.add_argument("--families", default="", help="task families to train on, comma-separated ('' = all)")
     p.add_argument("--model", default=None, help="start policy (default: the SFT demo model, built in --store)")
     p.add_argument("--store", default=None, help="artifact store (default: a temporary folder)")
@@ -130,6 +132,7 @@ def main() -> None:
     args.lr = args.lr or defaults.lr
     args.critic_lr = args.critic_lr or defaults.critic_lr
     args.mini_batches = args.mini_batches or defaults.mini_batches
+    args.epochs = args.epochs or defaults.ppo_epochs
     args.store = args.store or tempfile.mkdtemp(prefix="posttrain-rl-bench-")
     start = args.model or sft_model(args.store)
     results = {}
