@@ -112,8 +112,8 @@ def report(results: dict[str, dict], args) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    p.add_argument("--iterations", type=int, default=10)
-    p.add_argument("--prompts", type=int, default=64, help="prompts per iteration")
+    p.add_argument("--iterations", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=256, help="prompts per iteration")
     p.add_argument("--n", type=int, default=16, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=None, help="policy learning rate (default: RLConfig's)")
