@@ -54,21 +54,29 @@ def iteration_timing(store, iteration: int, started: float, rollouts: list, scor
 
     generate / score / train are the work (engine generation, scoring, old-log-prob pass + advantages + optimizer
     steps); startup is stage-internal start-up (engine actors, worker process group, model loading); orchestration
-    is the rest: Prefect task runs, cache lookups, artifact writing and reading. An iteration whose update was a
-    cache hit (a resumed run) is all orchestration.
+    is the rest: Prefect task runs, cache lookups, artifact writing and reading. A stage that was a cache hit (built
+    before `started`: a resumed run, or another run's identical stage) counts as orchestration.
     """
     from datetime import datetime
 
+    def fresh(ref) -> dict | None:
+        m = store.manifest(ref)
+        return m if datetime.fromisoformat(m["created"]).timestamp() >= started else None
+
     wall = time.time() - started
-    roll = [store.manifest(r) for r in rollouts]
-    upd = store.manifest(update)
-    row = {"iteration": iteration, "wall_s": wall, "generate_s": 0.0, "score_s": 0.0, "train_s": 0.0, "startup_s": 0.0}
-    if datetime.fromisoformat(upd["created"]).timestamp() >= started:
-        m = upd["metrics"]
-        row["generate_s"] = sum(r["metrics"]["tokens"] / max(r["metrics"]["tokens_per_s"], 1e-9) for r in roll)
-        row["score_s"] = sum(store.manifest(s)["duration_s"] for s in scored)
-        row["train_s"] = m.get("prepare_s", 0.0) + m.get("train_s", 0.0)
-        startup = sum(r["duration_s"] for r in roll) - row["generate_s"] + upd["duration_s"] - row["train_s"]
-        row["startup_s"] = max(startup, 0.0)
+    roll = [m for m in map(fresh, rollouts) if m]
+    sco = [m for m in map(fresh, scored) if m]
+    upd = fresh(update)
+    generate = sum(r["metrics"]["tokens"] / max(r["metrics"]["tokens_per_s"], 1e-9) for r in roll)
+    train = (upd["metrics"].get("prepare_s", 0.0) + upd["metrics"].get("train_s", 0.0)) if upd else 0.0
+    startup = sum(r["duration_s"] for r in roll) - generate + ((upd["duration_s"] - train) if upd else 0.0)
+    row = {
+        "iteration": iteration,
+        "wall_s": wall,
+        "generate_s": generate,
+        "score_s": sum(m["duration_s"] for m in sco),
+        "train_s": train,
+        "startup_s": max(startup, 0.0),
+    }
     row["orchestration_s"] = max(wall - sum(row[k] for k in ("generate_s", "score_s", "train_s", "startup_s")), 0.0)
     return row
