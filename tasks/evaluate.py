@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from prefect import task
-
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.config import EvalConfig
 from posttrain_core.evaluate import STAGE, run_evaluate
 from posttrain_core.stage import key_for
-from tasks.common import RETRY, is_transient, report, stage_cache, store_at
+from tasks.common import report, stage_task, store_at
 
 
-@task(
-    name="evaluate",
-    task_run_name="evaluate[{label}]",
-    cache_key_fn=stage_cache(lambda p, store: key_for(STAGE, p["cfg"], {"prompts": p["prompts"], "model": p["model"]})),
-    persist_result=True,
-    retry_condition_fn=is_transient,
-    **RETRY,
+@stage_task(
+    "evaluate",
+    lambda p, store: key_for(STAGE, p["cfg"], {"prompts": p["prompts"], "model": p["model"]}),
+    run_name="evaluate[{label}]",
 )
 def evaluate(
     cfg: EvalConfig,

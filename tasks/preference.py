@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from prefect import task
-
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.config import DPOConfig, RewardModelConfig
 from posttrain_core.stage import key_for
 from posttrain_core.train.preference import run_dpo, run_reward_model
-from tasks.common import RETRY, is_transient, report, stage_cache, store_at
+from tasks.common import report, stage_task, store_at
 
 
 def _rm_key(p, store):
@@ -22,14 +20,7 @@ def _dpo_key(p, store):
     return key_for("dpo", p["cfg"], {"data": p["data"], "policy": p["policy"], "reference": reference})
 
 
-@task(
-    name="reward_model",
-    task_run_name="reward_model",
-    cache_key_fn=stage_cache(_rm_key),
-    persist_result=True,
-    retry_condition_fn=is_transient,
-    **RETRY,
-)
+@stage_task("reward_model", _rm_key)
 def reward_model(
     cfg: RewardModelConfig,
     data: ArtifactRef,
@@ -44,14 +35,7 @@ def reward_model(
     return ref
 
 
-@task(
-    name="dpo",
-    task_run_name="dpo",
-    cache_key_fn=stage_cache(_dpo_key),
-    persist_result=True,
-    retry_condition_fn=is_transient,
-    **RETRY,
-)
+@stage_task("dpo", _dpo_key)
 def dpo(
     cfg: DPOConfig,
     data: ArtifactRef,

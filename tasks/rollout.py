@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from prefect import task
-
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.config import RolloutConfig, ScoreConfig
@@ -12,18 +10,13 @@ from posttrain_core.rewards.score import run_score, score_inputs
 from posttrain_core.rollout.stage import STAGE as ROLLOUT_STAGE
 from posttrain_core.rollout.stage import rollout_inputs, run_rollout
 from posttrain_core.stage import key_for
-from tasks.common import RETRY, is_transient, report, stage_cache, store_at
+from tasks.common import report, stage_task, store_at
 
 
-@task(
-    name="rollout",
-    task_run_name="rollout[iter={iteration}]",
-    cache_key_fn=stage_cache(
-        lambda p, store: key_for(ROLLOUT_STAGE, p["cfg"], rollout_inputs(p["prompts"], p["policy"]))
-    ),
-    persist_result=True,
-    retry_condition_fn=is_transient,
-    **RETRY,
+@stage_task(
+    "rollout",
+    lambda p, store: key_for(ROLLOUT_STAGE, p["cfg"], rollout_inputs(p["prompts"], p["policy"])),
+    run_name="rollout[iter={iteration}]",
 )
 def rollout(
     cfg: RolloutConfig,
@@ -40,15 +33,10 @@ def rollout(
     return ref
 
 
-@task(
-    name="score",
-    task_run_name="score[iter={iteration}]",
-    cache_key_fn=stage_cache(
-        lambda p, store: key_for(SCORE_STAGE, p["cfg"], score_inputs(p["rollouts"], p.get("reward_model")))
-    ),
-    persist_result=True,
-    retry_condition_fn=is_transient,
-    **RETRY,
+@stage_task(
+    "score",
+    lambda p, store: key_for(SCORE_STAGE, p["cfg"], score_inputs(p["rollouts"], p.get("reward_model"))),
+    run_name="score[iter={iteration}]",
 )
 def score(
     cfg: ScoreConfig,

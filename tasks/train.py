@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-from prefect import task
-
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.config import PretrainConfig, SFTConfig
 from posttrain_core.stage import key_for
 from posttrain_core.train.sft import run_pretrain, run_sft
-from tasks.common import RETRY, is_transient, report, stage_cache, store_at
+from tasks.common import report, stage_task, store_at
 
 
 def _key(stage: str):
     return lambda p, store: key_for(stage, p["cfg"], {"data": p["data"], "base": p["base"]})
 
 
-@task(
-    name="pretrain",
-    task_run_name="pretrain",
-    cache_key_fn=stage_cache(_key("pretrain")),
-    persist_result=True,
-    retry_condition_fn=is_transient,
-    **RETRY,
-)
+@stage_task("pretrain", _key("pretrain"))
 def pretrain(
     cfg: PretrainConfig,
     data: ArtifactRef,
@@ -38,14 +29,7 @@ def pretrain(
     return ref
 
 
-@task(
-    name="sft",
-    task_run_name="sft",
-    cache_key_fn=stage_cache(_key("sft")),
-    persist_result=True,
-    retry_condition_fn=is_transient,
-    **RETRY,
-)
+@stage_task("sft", _key("sft"))
 def sft(
     cfg: SFTConfig,
     data: ArtifactRef,
