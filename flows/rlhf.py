@@ -21,6 +21,7 @@ from prefect.runtime import flow_run
 from posttrain_core import reports, tracking
 from posttrain_core.artifacts import ArtifactStore
 from posttrain_core.config import RLHFFlowConfig
+from posttrain_core.rollout.warm import new_pool_name, release_pool
 from posttrain_core.train.rl_stage import (
     check_dynamic_sampling,
     informative_groups,
@@ -38,7 +39,17 @@ from tasks.train import pretrain, sft
 
 @flow(name="rlhf", log_prints=True)
 def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # noqa: B008 (pydantic default = UI form)
+    engines = new_pool_name("rlhf") if config.warm_engines else None
+    try:
+        return _rlhf(config, engines)
+    finally:
+        if engines:
+            release_pool(engines)
+
+
+def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
     store = ArtifactStore(config.store)
+    store.check_writable()  # a store that cannot take artifacts fails here, before any work
     root = str(store.root)
     rl = config.rl.resolved()
     score_cfg = score_config_for(rl, config.score, config.rollout)
@@ -60,11 +71,11 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             start = sft(config.sft, data.sft, start, root, pid)
         rm = reward_model(config.reward_model, data.preferences, start, root, pid) if config.reward_model else None
         evals = {0: evaluate(config.eval, data.eval, start, "iter0", root, pid)}
-        sampled = {0: _sampled_accuracy(config, store, data.eval, start, 0, pid)} if config.eval_samples else {}
+        sampled = {0: _sampled_accuracy(config, store, data.eval, start, 0, pid, engines)} if config.eval_samples else {}
 
         policy, critic = start, None
         if rl.uses_critic and rl.value_pretrain_steps:
-            samples = rollout(iteration_rollout(config.rollout, 0), data.prompts, start, 0, root, pid)
+            samples = rollout(iteration_rollout(config.rollout, 0), data.prompts, start, 0, root, pid, engines)
             critic = value_pretrain(config.rl, score(score_cfg, samples, rm, 0, root, pid), start, root, pid)
         curve, timings = [], []
         for k in range(1, config.iterations + 1):
@@ -72,7 +83,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             samples, scored, counts = [], [], []
             for j in range(gen_batches):
                 cfg_kj = iteration_rollout(config.rollout, k, j, gen_batches)
-                samples.append(rollout(cfg_kj, data.prompts, policy, k, root, pid))
+                samples.append(rollout(cfg_kj, data.prompts, policy, k, root, pid, engines))
                 scored.append(score(score_cfg, samples[-1], rm, k, root, pid))
                 if rl.dynamic_sampling:
                     counts.append(informative_groups(store, scored[-1]))
@@ -88,7 +99,9 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
                 evals[k] = evaluate(config.eval, data.eval, policy, f"iter{k}", root, pid)
         evals[config.iterations] = evaluate(config.eval, data.eval, policy, f"iter{config.iterations}", root, pid)
         if config.eval_samples:
-            sampled[config.iterations] = _sampled_accuracy(config, store, data.eval, policy, config.iterations, pid)
+            sampled[config.iterations] = _sampled_accuracy(
+                config, store, data.eval, policy, config.iterations, pid, engines
+            )
 
         accuracy = {k: store.manifest(ref)["metrics"]["accuracy"] for k, ref in evals.items()}
         family = {k: store.manifest(ref)["metrics"] for k, ref in evals.items()}
@@ -124,7 +137,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
     }
 
 
-def _sampled_accuracy(config: RLHFFlowConfig, store, prompts, policy, iteration: int, pid: str) -> dict[str, float]:
+def _sampled_accuracy(config: RLHFFlowConfig, store, prompts, policy, iteration: int, pid: str, engines) -> dict:
     """pass@1 and pass@n of `policy` on the held-out prompts, sampled like the rollouts (the quantity RL raises)."""
     from posttrain_core.config import ScoreConfig
     from posttrain_core.data.io import read_dataset
@@ -135,7 +148,7 @@ def _sampled_accuracy(config: RLHFFlowConfig, store, prompts, policy, iteration:
         update={"n": n, "max_prompts": config.eval.max_prompts, "prompt_start": 0, "families": [], "seed": 7_777}
     )
     root = str(store.root)
-    samples = rollout(cfg, prompts, policy, f"eval{iteration}", root, pid)
+    samples = rollout(cfg, prompts, policy, f"eval{iteration}", root, pid, engines)
     scored = score(ScoreConfig(verifiers={config.eval.verifier: 1.0}), samples, None, f"eval{iteration}", root, pid)
     return pass_at_k_table(read_dataset(store.local_path(scored), "scored_rollouts"), dict.fromkeys((1, n)))
 

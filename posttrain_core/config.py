@@ -341,6 +341,11 @@ class RLHFFlowConfig(_Config):
     eval_samples: int = Field(
         8, ge=0, description="held-out sampled accuracy: samples per held-out prompt at the rollout temperature (0 = off)"
     )
+    warm_engines: bool = Field(
+        True,
+        description="keep the rollout engines alive across iterations and give them each new policy in memory "
+        "(vLLM: in-place weight update or adapter swap; hf: reload in the same actor); False: new engines per stage",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RLHFFlowConfig:

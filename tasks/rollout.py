@@ -25,10 +25,13 @@ def rollout(
     iteration: int | str = 0,
     store_root: str | None = None,
     parent_run_id: str | None = None,
+    engines: str | None = None,
 ) -> ArtifactRef:
+    """`engines`: a warm engine pool of this flow run (`posttrain_core.rollout.warm`); not part of the cache key,
+    since it changes how the engines get the weights, not the samples."""
     store = store_at(store_root)
     with tracking.parent(parent_run_id):
-        ref = run_rollout(cfg, prompts, policy, store)
+        ref = run_rollout(cfg, prompts, policy, store, engines=engines)
     report("rollout", ref, store)
     return ref
 

@@ -55,24 +55,58 @@ class RolloutWorker:
         dtype: str = "float32",
         num_threads: int | None = None,
     ):
-        if engine == "hf":
+        self.kind, self.dtype, self.params = engine, dtype, params
+        if engine == "hf" and num_threads:
             import torch
 
+            torch.set_num_threads(num_threads)
+        self.engine = self._new_engine(model_path, policy_digest)
+        self.policy_digest = policy_digest
+
+    def _new_engine(self, model_path: str, policy_digest: str):
+        if self.kind == "hf":
             from posttrain_core.rollout.hf_engine import HFEngine
 
-            if num_threads:
-                torch.set_num_threads(num_threads)
-            self.engine = HFEngine(model_path, dtype=dtype, policy_digest=policy_digest)
-        else:
-            from posttrain_core.rollout.vllm_engine import VLLMEngine
+            return HFEngine(model_path, dtype=self.dtype, policy_digest=policy_digest)
+        from posttrain_core.rollout.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(model_path, dtype=dtype, seed=params.seed, policy_digest=policy_digest)
+        return VLLMEngine(model_path, dtype=self.dtype, seed=self.params.seed, policy_digest=policy_digest)
+
+    def load(self, model_path: str, policy_digest: str) -> str:
+        """Serve another policy (a warm actor between rollout stages, `posttrain_core.rollout.warm`).
+
+        Returns:
+            "kept" (already serving it), "updated" (vLLM in-place weight update or adapter swap) or "reloaded" (a new
+            engine in this process: the hf engine, or a vLLM engine that must change between full model and LoRA).
+        """
+        if policy_digest == self.policy_digest:
+            return "kept"
+        action = "reloaded"
+        if self.kind == "vllm":
+            from posttrain_core.models.loading import check_model_path
+
+            if self.engine.enable_lora or not check_model_path(model_path)["is_adapter"]:
+                self.engine.update_weights(model_path, policy_digest)
+                action = "updated"
+        if action == "reloaded":
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
+            self.engine = None
+            self.engine = self._new_engine(model_path, policy_digest)
         self.policy_digest = policy_digest
-        self.params = params
+        return action
+
+    def served_digest(self) -> str:
+        """The digest of the policy this actor's engine holds (what its rows will record)."""
+        return self.policy_digest
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        return self.generate(batch)
+
+    def generate(self, batch: pa.Table, params: SamplingSettings | None = None) -> pa.Table:
         started = time.perf_counter()
-        out = self.engine.generate(batch, self.params)
+        out = self.engine.generate(batch, params or self.params)
         seconds = time.perf_counter() - started
         n = out.num_rows
         # The stage, not each engine, stamps the policy: every backend's rows then name the same artifact.
@@ -211,36 +245,58 @@ def _check_counts(table: pa.Table, ids: list[str], n: int) -> None:
         raise RuntimeError(f"{STAGE}: rollouts for prompts that were not asked for: {sorted(extra)[:5]}")
 
 
-def run_rollout(cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, store: ArtifactStore) -> ArtifactRef:
+def _check_policy(table: pa.Table, policy: ArtifactRef) -> None:
+    """Every row must come from `policy`: an engine still holding older weights would poison the RL update."""
+    import pyarrow.compute as pc
+
+    stale = table.filter(pc.not_equal(table.column("policy_digest"), policy.digest))
+    if stale.num_rows:
+        raise RuntimeError(
+            f"{STAGE}: {stale.num_rows} samples (first: prompt {stale.column('prompt_id')[0].as_py()!r}) were "
+            f"generated with policy digest {stale.column('policy_digest')[0].as_py()!r}, not {policy.digest!r}; "
+            "nothing is published"
+        )
+
+
+def run_rollout(
+    cfg: RolloutConfig,
+    prompts: ArtifactRef,
+    policy: ArtifactRef,
+    store: ArtifactStore,
+    engines: str | None = None,
+) -> ArtifactRef:
     """Sample `cfg.n` responses to every prompt with `policy`; publish them as a `rollouts` dataset.
 
-    Ray Data reads the prompts' parquet files, cuts them into blocks of `cfg.batch_size` prompts and streams them
-    through an actor pool of `cfg.num_engines` engines (`RolloutWorker`); the driver checks that every prompt got
-    exactly n samples, sorts them by (prompt order, sample_index) and writes them.
+    Without `engines`, Ray Data reads the prompts' parquet files, cuts them into blocks of `cfg.batch_size` prompts
+    and streams them through an actor pool of `cfg.num_engines` engines (`RolloutWorker`) that lives for this stage.
+    With `engines` (a pool name, `posttrain_core.rollout.warm`), the pool's long-lived actors take the policy's
+    weights (vLLM: in place) and the driver hands them batches of `cfg.batch_size` prompts. Either way the driver
+    checks that every prompt got exactly n samples from the right policy, sorts them by (prompt order,
+    sample_index) and writes them; both paths give the same rows (each sample has its own seeded stream).
 
     Manifest metrics: samples, prompts, tokens, tokens_per_s (generated tokens per second of the pool while its
     engines generate: tokens / (engine-seconds / num_engines)), wall_tokens_per_s (tokens / wall time of the whole
-    Ray execution, actor start-up and model loading included), response_len_mean / _max (tokens), finish_length_rate.
+    Ray execution, actor start-up or weight loading and model loading included), response_len_mean / _max (tokens),
+    finish_length_rate, and with a warm pool engine_load_s (the weight update); the manifest's `engine_load` says
+    how the engines got the weights (started, updated, reloaded, kept; "stage" without a pool).
 
     Args:
         cfg: sampling settings and the engine pool.
         prompts: a `prompts` dataset.
         policy: a model (full or LoRA adapter folder).
         store: the artifact store.
+        engines: name of a warm engine pool of this process, or None for actors that live for this stage only.
     """
     from posttrain_core.stage import StageContext, StageOutput, run_stage
 
     table = check_rollout_inputs(cfg, prompts, policy, store)
     ids = table.column("prompt_id").to_pylist()
     params = sampling_settings(cfg)
+    model_path = str(store.local_path(policy))
 
-    def build(ctx: StageContext) -> StageOutput:
+    def generate_on_stage_actors() -> list[pa.Table]:
         import ray
 
-        from posttrain_core.cluster import connect
-        from posttrain_core.data.io import write_dataset
-
-        connect()
         ds = ray.data.read_parquet(_dataset_files(store, prompts), columns=["prompt_id", "messages", "answer"])
         if cfg.max_prompts or cfg.families:
             ds = ds.map_batches(_keep_prompts, fn_kwargs={"ids": ids}, batch_format="pyarrow")
@@ -250,7 +306,7 @@ def run_rollout(cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, s
             RolloutWorker,
             fn_constructor_kwargs=dict(
                 engine=cfg.engine,
-                model_path=str(store.local_path(policy)),
+                model_path=model_path,
                 policy_digest=policy.digest,
                 params=params,
                 dtype=cfg.dtype,
@@ -261,11 +317,31 @@ def run_rollout(cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, s
             batch_format="pyarrow",
             **_engine_resources(cfg),
         )
+        return ray.get(ds.to_arrow_refs())
+
+    def build(ctx: StageContext) -> StageOutput:
+        from posttrain_core.cluster import connect
+        from posttrain_core.data.io import write_dataset
+
+        connect()
         started = time.perf_counter()
-        parts = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]
+        load: dict[str, Any] = {"action": "stage"}
+        if engines is None:
+            parts = generate_on_stage_actors()
+        else:
+            from posttrain_core.rollout.warm import get_pool
+
+            pool = get_pool(engines)
+            rows = table.select(["prompt_id", "messages", "answer"])
+            batches = [rows.slice(i, cfg.batch_size) for i in range(0, rows.num_rows, cfg.batch_size)]
+            with pool.lock:
+                load = pool.load(cfg, model_path, policy.digest, params)
+                parts = pool.generate(batches, params)
+        parts = [t for t in parts if t.num_rows]
         wall = time.perf_counter() - started
         out = pa.concat_tables(parts)
         _check_counts(out, ids, cfg.n)
+        _check_policy(out, policy)
         order = {pid: i for i, pid in enumerate(ids)}
         out = out.append_column("_order", pa.array([order[p] for p in out.column("prompt_id").to_pylist()], pa.int64()))
         out = out.sort_by([("_order", "ascending"), ("sample_index", "ascending")])
@@ -285,6 +361,8 @@ def run_rollout(cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, s
             "response_len_max": float(max(lengths)),
             "finish_length_rate": out.column("finish_reason").to_pylist().count("length") / out.num_rows,
         }
+        if "load_s" in load:
+            metrics["engine_load_s"] = load["load_s"]
         log.info(
             "%s: %d samples of %d prompts, %.0f tokens/s (%.0f with start-up), mean length %.1f",
             STAGE,
@@ -294,7 +372,13 @@ def run_rollout(cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, s
             metrics["wall_tokens_per_s"],
             metrics["response_len_mean"],
         )
-        manifest = {"policy": policy.uri, "engine": cfg.engine, "num_prompts": len(ids), "num_samples": out.num_rows}
+        manifest = {
+            "policy": policy.uri,
+            "engine": cfg.engine,
+            "engine_load": load["action"],
+            "num_prompts": len(ids),
+            "num_samples": out.num_rows,
+        }
         return StageOutput(manifest=manifest, metrics=metrics)
 
     return run_stage(STAGE, cfg, rollout_inputs(prompts, policy), store, "dataset", build, schema_kind="rollouts")

@@ -1,0 +1,150 @@
+"""Warm rollout engines: actors that outlive one rollout stage and take each new policy's weights in memory.
+
+Without a pool, every rollout stage starts its engine actors (process, torch/vLLM imports, model load: most of a
+short RL iteration on CPU) and they die with the stage. An `EnginePool`, owned by the flow run's process, keeps
+`num_engines` named actors (`posttrain-rollout-<pool>-<i>`) alive between stages; the next rollout stage calls
+`load(policy)` on each before it generates:
+
+- same policy digest: nothing to do ("kept");
+- vLLM, full model: an in-place weight update (`VLLMEngine.update_weights`, no restart) ("updated");
+- vLLM, LoRA adapter: an adapter swap on the same base ("updated"); an engine started without LoRA is rebuilt;
+- hf engine: the published checkpoint is loaded again in the same process ("reloaded": no actor start or imports).
+
+The stage then asks every actor for the digest it now serves and refuses to generate unless it is the policy's, and
+every row records the digest of the engine that generated it, so stale weights can never go unnoticed.
+
+The actors are not detached: they die with the process that made them (a crashed flow leaves none behind; the
+resumed run starts new ones from the latest published checkpoint). They reserve no Ray CPUs, so the trainer
+workers of the RL update can be scheduled while they idle; each sets its own thread count instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from posttrain_core.config import RolloutConfig
+    from posttrain_core.rollout.engine import SamplingSettings
+
+log = logging.getLogger(__name__)
+
+_POOLS: dict[str, EnginePool] = {}
+_LOCK = threading.Lock()
+
+
+def new_pool_name(prefix: str = "flow") -> str:
+    """A name no other process of the Ray cluster uses (two flow runs at once each get their own engines)."""
+    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def get_pool(name: str) -> EnginePool:
+    """The pool called `name` in this process (made empty on first use)."""
+    with _LOCK:
+        if name not in _POOLS:
+            _POOLS[name] = EnginePool(name)
+        return _POOLS[name]
+
+
+def release_pool(name: str) -> None:
+    """Stop the pool's actors and forget it (a no-op for an unknown name)."""
+    with _LOCK:
+        pool = _POOLS.pop(name, None)
+    if pool is not None:
+        pool.close()
+
+
+class EnginePool:
+    """`num_engines` long-lived `RolloutWorker` actors serving one policy at a time (see the module docstring)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.actors: list[Any] = []
+        self.spec: tuple | None = None  # (engine, dtype, num_engines, vllm_python) the actors were started with
+        self.lock = threading.Lock()  # one stage at a time uses the pool
+
+    def _spec(self, cfg: RolloutConfig) -> tuple:
+        return (cfg.engine, cfg.dtype, cfg.num_engines, cfg.vllm_python)
+
+    def _start(self, cfg: RolloutConfig, model_path: str, digest: str, params: SamplingSettings) -> None:
+        import ray
+
+        from posttrain_core.rollout.stage import RolloutWorker, vllm_options
+
+        options: dict[str, Any] = {"num_cpus": 0}
+        if cfg.engine == "vllm":
+            options["runtime_env"] = vllm_options(cfg)["runtime_env"]
+        threads = max(1, (os.cpu_count() or 1) // cfg.num_engines)
+        cls = ray.remote(RolloutWorker)
+        self.actors = [
+            cls.options(name=f"posttrain-rollout-{self.name}-{i}", **options).remote(
+                engine=cfg.engine,
+                model_path=model_path,
+                policy_digest=digest,
+                params=params,
+                dtype=cfg.dtype,
+                num_threads=threads,
+            )
+            for i in range(cfg.num_engines)
+        ]
+        self.spec = self._spec(cfg)
+
+    def load(self, cfg: RolloutConfig, model_path: str, digest: str, params: SamplingSettings) -> dict[str, Any]:
+        """Make every actor serve `model_path` (digest `digest`); start them if there are none or the engine
+        settings changed, or if one died (a fault in an earlier stage).
+
+        Returns:
+            {"action": started | kept | updated | reloaded, "load_s": seconds}.
+
+        Raises:
+            RuntimeError: an actor reports another digest after the load (it would generate with stale weights).
+        """
+        import ray
+        from ray.exceptions import RayActorError
+
+        started = time.perf_counter()
+        action = "started"
+        if self.actors and self.spec == self._spec(cfg):
+            try:
+                actions = ray.get([a.load.remote(model_path, digest) for a in self.actors])
+                action = actions[0] if len(set(actions)) == 1 else "+".join(sorted(set(actions)))
+            except RayActorError as err:
+                log.warning("rollout pool %s: an engine actor died (%s); starting new ones", self.name, err)
+                self.close()
+        elif self.actors:
+            self.close()
+        if not self.actors:
+            self._start(cfg, model_path, digest, params)
+        served = ray.get([a.served_digest.remote() for a in self.actors])
+        if any(d != digest for d in served):
+            raise RuntimeError(
+                f"rollout pool {self.name}: engines serve policy digests {served} after loading {model_path} "
+                f"(digest {digest}); refusing to generate with stale weights"
+            )
+        seconds = time.perf_counter() - started
+        log.info("rollout pool %s: %d %s engines %s the policy in %.1f s", self.name, len(self.actors),
+                 cfg.engine, action, seconds)  # fmt: skip
+        return {"action": action, "load_s": seconds}
+
+    def generate(self, batches: list[pa.Table], params: SamplingSettings) -> list[pa.Table]:
+        """Every batch through the actors, each actor taking the next batch when it is free."""
+        from ray.util import ActorPool
+
+        pool = ActorPool(self.actors)
+        return list(pool.map_unordered(lambda a, b: a.generate.remote(b, params), batches))
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception as err:  # already dead, or Ray shut down first
+                log.debug("rollout pool %s: kill: %s", self.name, err)
+        self.actors, self.spec = [], None

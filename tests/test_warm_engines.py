@@ -1,0 +1,110 @@
+"""Warm rollout engines (posttrain_core.rollout.warm): a pool that outlives rollout stages takes each new policy in
+memory (vLLM: in-place weight update; hf: reload in the same actor), gives the rows fresh engines give, recovers from
+a dead actor, and never publishes rows of another policy."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import torch
+
+from posttrain_core.config import RolloutConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def policy_b(tiny_inputs, tmp_path_factory):
+    """A second policy with the base's architecture and tokenizer (weights scaled: it samples differently)."""
+    from posttrain_core.models.loading import load_causal_lm, load_tokenizer, save_checkpoint
+
+    store, _, base = tiny_inputs
+    model = load_causal_lm(store.local_path(base))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0)
+    path = tmp_path_factory.mktemp("policy-b") / "model"
+    save_checkpoint(model, load_tokenizer(store.local_path(base)), path)
+    return store.register_external(path)
+
+
+def _rows(store, ref) -> list[tuple]:
+    from posttrain_core.data.io import read_dataset
+
+    t = read_dataset(store.local_path(ref), "rollouts")
+    cols = ["prompt_id", "sample_index", "response_ids", "policy_digest"]
+    return list(zip(*(t.column(c).to_pylist() for c in cols), strict=True))
+
+
+def _actor_ids(name: str) -> list[str]:
+    from posttrain_core.rollout.warm import get_pool
+
+    return [a._actor_id.hex() for a in get_pool(name).actors]
+
+
+def _check_pool(cfg: RolloutConfig, tiny_inputs, policy_b, tmp_path, new_policy_action: str) -> None:
+    import ray
+
+    from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.rollout.stage import run_rollout
+    from posttrain_core.rollout.warm import _POOLS, get_pool, new_pool_name, release_pool
+
+    _, data, base = tiny_inputs
+    warm, cold = ArtifactStore(tmp_path / "warm"), ArtifactStore(tmp_path / "cold")
+    name = new_pool_name("test")
+    try:
+        a = run_rollout(cfg, data.eval, base, warm, engines=name)
+        actors = _actor_ids(name)
+        assert len(actors) == cfg.num_engines
+        b = run_rollout(cfg, data.eval, policy_b, warm, engines=name)
+        assert _actor_ids(name) == actors  # the same processes served both policies
+        assert warm.manifest(a)["engine_load"] == "started"
+        assert warm.manifest(b)["engine_load"] == new_policy_action
+        assert "engine_load_s" in warm.manifest(b)["metrics"]
+        rows_a, rows_b = _rows(warm, a), _rows(warm, b)
+        assert {r[3] for r in rows_a} == {base.digest} and {r[3] for r in rows_b} == {policy_b.digest}
+        assert [r[2] for r in rows_a] != [r[2] for r in rows_b]  # the new weights are in use
+        # The rows equal those of engines started for the stage (the Ray Data path) from policy B.
+        fresh = run_rollout(cfg, data.eval, policy_b, cold)
+        assert cold.manifest(fresh)["engine_load"] == "stage"
+        assert _rows(cold, fresh) == rows_b
+
+        # A dead engine actor (killed between stages) is replaced; the next stage still gets base's rows.
+        ray.kill(get_pool(name).actors[0], no_restart=True)
+        c = run_rollout(cfg, data.eval, base, ArtifactStore(tmp_path / "after-kill"), engines=name)
+        assert _actor_ids(name) != actors
+        assert _rows(ArtifactStore(tmp_path / "after-kill"), c) == rows_a
+    finally:
+        release_pool(name)
+    assert name not in _POOLS
+
+
+def test_hf_pool_reloads_each_policy_in_the_same_actors(ray_session, tiny_inputs, policy_b, tmp_path):
+    cfg = RolloutConfig(n=3, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=3)
+    _check_pool(cfg, tiny_inputs, policy_b, tmp_path, "reloaded")
+
+
+def test_vllm_pool_updates_weights_in_place(ray_session, tiny_inputs, policy_b, tmp_path):
+    from posttrain_core.rollout.stage import vllm_options
+
+    cfg = RolloutConfig(engine="vllm", n=2, max_tokens=6, num_engines=1, batch_size=8, max_prompts=6, seed=3)
+    try:
+        vllm_options(cfg)
+    except ValueError as err:
+        import os
+
+        if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(str(err))
+    _check_pool(cfg, tiny_inputs, policy_b, tmp_path, "updated")
+
+
+def test_rows_of_another_policy_are_never_published(tiny_inputs):
+    from posttrain_core.rollout.stage import _check_policy
+
+    _, _, base = tiny_inputs
+    table = pa.table({"prompt_id": ["p0", "p1"], "policy_digest": [base.digest, "0" * 64]})
+    _check_policy(table.slice(0, 1), base)
+    with pytest.raises(RuntimeError, match=r"1 samples \(first: prompt 'p1'\).*nothing is published"):
+        _check_policy(table, base)
