@@ -52,6 +52,7 @@ class PreferenceFlowConfig(BaseModel):
 @flow(name="preference", log_prints=True)
 def preference_flow(config: PreferenceFlowConfig = PreferenceFlowConfig()) -> dict[str, Any]:  # noqa: B008 (UI form)
     store = ArtifactStore(config.store)
+    store.check_writable()  # a store that cannot take artifacts fails here, before any work
     root = str(store.root)
     with tracking.flow_run(
         root,

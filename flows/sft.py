@@ -27,6 +27,7 @@ from tasks.train import pretrain, sft
 @flow(name="sft", log_prints=True)
 def sft_flow(config: SFTFlowConfig = SFTFlowConfig()) -> dict[str, Any]:  # noqa: B008 (pydantic default = UI form)
     store = ArtifactStore(config.store)
+    store.check_writable()  # a store that cannot take artifacts fails here, before any work
     root = str(store.root)
     with tracking.flow_run(
         root,

@@ -154,6 +154,37 @@ class ArtifactStore:
     def __repr__(self) -> str:
         return f"ArtifactStore({self.root!r})"
 
+    def check_writable(self) -> None:
+        """Fail now, before any work, when artifacts could not be published here (a flow calls this first).
+
+        Creates the store's folders if needed and writes then removes a probe file under `artifacts/` (and the
+        local staging folder).
+
+        Raises:
+            PermissionError: the store root (or its staging folder) cannot be created or written; names the path
+                and the `store` setting / $POSTTRAIN_STORE to change.
+        """
+        probe = f".write-probe-{uuid.uuid4().hex}"
+        where = self.root
+        try:
+            if self.is_local:
+                for folder in (Path(self._root) / "artifacts", self.staging_root):
+                    where = str(folder)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    (folder / probe).write_bytes(b"")
+                    (folder / probe).unlink()
+            else:
+                path = f"{self._root}/artifacts/{probe}"
+                self.fs.pipe_file(path, b"")
+                self.fs.rm_file(path)
+                where = str(self.staging_root)
+                self.staging_root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PermissionError(
+                f"artifact store {self.root} is not writable ({where}: {err.strerror or err}); set the flow's "
+                f"`store` (or ${STORE_ENV}) to a folder or URI this process can write"
+            ) from None
+
     # ----------------------------------------------------------------------------------------------- reading
     def get(self, key: str) -> ArtifactRef | None:
         """The ref of the complete artifact stored under `key`, or None (absent, or only partly written).
