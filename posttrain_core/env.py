@@ -13,6 +13,8 @@ DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "PREFECT_LOGGING_LEVEL": "INFO",
+    # posttrain_core's own progress lines (stage built or cached, waits, engine loads) in the flow-run logs and the UI.
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "posttrain_core",
     # Ray: no usage stats, no auth token written into $HOME, fewer background threads.
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",

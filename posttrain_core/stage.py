@@ -6,9 +6,12 @@ function that writes the artifact's content into a fresh folder; this module mak
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
+import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -103,6 +106,45 @@ def run_stage(
     if cached is not None:
         log.info("%s: cache hit %s (nothing to run)", stage, key[:12])
         return cached
+    with build_lock(store, key, stage):
+        cached = store.get(key)
+        if cached is not None:  # a concurrent run published it while this one waited
+            log.info("%s: %s was published by a concurrent run; reusing it", stage, key[:12])
+            return cached
+        return _build(stage, cfg, inputs, store, kind, build, schema_kind, key)
+
+
+@contextlib.contextmanager
+def build_lock(store: ArtifactStore, key: str, stage: str, poll_s: float = 1.0) -> Iterator[None]:
+    """Hold the machine-wide lock of one stage key while building it: concurrent runs of the same stage on this
+    machine (two deployments at once, or two threads) build it once; the others wait, then reuse the artifact.
+
+    An `flock` on `{staging}/locks/{key}`: the kernel releases it when its holder dies, so a crashed builder never
+    blocks the next one (which then resumes from the crashed one's in-stage checkpoints). Runs on other machines
+    sharing a remote store are not serialised: each builds, and the store keeps the first publish.
+    """
+    folder = Path(store.staging_root) / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / key, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        waited, last_note = 0.0, 0.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if waited - last_note >= 30 or waited == 0:
+                    log.info("%s: %s is being built by another run on this machine; waiting (%.0f s)", stage,
+                             key[:12], waited)  # fmt: skip
+                    last_note = waited
+                time.sleep(poll_s)
+                waited += poll_s
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _build(stage, cfg, inputs, store, kind, build, schema_kind, key) -> ArtifactRef:
     log.info("%s: building %s", stage, key[:12])
     started = time.time()
     with tracking.stage_run(

@@ -38,7 +38,32 @@ def client(store_root: str | os.PathLike | None = None):
     apply_defaults()
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri(store_root))
+    uri = tracking_uri(store_root)
+    _init_sqlite_once(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+_INITIALISED: set[str] = set()
+
+
+def _init_sqlite_once(uri: str) -> None:
+    """Create/migrate a SQLite tracking database under a file lock, once per process.
+
+    Two processes opening a new database at once both run MLflow's schema creation and one fails ("table ...
+    already exists"): seen with two flow runs started together on a fresh store.
+    """
+    if not uri.startswith("sqlite:///") or uri in _INITIALISED:
+        return
+    import fcntl
+
+    from mlflow.tracking import MlflowClient
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.init-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # creates the schema
+    _INITIALISED.add(uri)
 
 
 def experiment_id(store_root: str | os.PathLike | None, name: str) -> str:
@@ -108,24 +133,94 @@ class RunLogger:
             self._client().set_tag(self.run_id, k, str(v))
 
 
+def _owner_tags() -> dict[str, str]:
+    """Which process owns a run: a run still RUNNING whose process is gone was killed (see `end_orphaned_runs`)."""
+    import socket
+
+    import psutil
+
+    pid = os.getpid()
+    return {
+        "posttrain.host": socket.gethostname(),
+        "posttrain.pid": str(pid),
+        "posttrain.pid_started": f"{psutil.Process(pid).create_time():.2f}",
+    }
+
+
+def _process_alive(pid: int, started: str | None) -> bool:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return started is None or abs(proc.create_time() - float(started)) < 1.0  # not a reused pid
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+
+
+def end_orphaned_runs(store_root: str | os.PathLike | None) -> int:
+    """Mark KILLED every RUNNING posttrain run of this host whose process no longer exists; return how many.
+
+    A process killed with SIGKILL (or a machine that lost power) cannot end its MLflow runs; the next flow run on
+    the same host (every `flow_run` calls this) ends them, tagged `posttrain.end_reason = process gone`. Runs of
+    other hosts are left alone (their processes cannot be checked from here).
+    """
+    import socket
+
+    c = client(store_root)
+    host = socket.gethostname()
+    ended = 0
+    try:
+        experiments = [e.experiment_id for e in c.search_experiments()]
+        runs = c.search_runs(
+            experiments, filter_string=f"attributes.status = 'RUNNING' and tags.`posttrain.host` = '{host}'"
+        ) if experiments else []  # fmt: skip
+    except Exception as err:  # a store that cannot be searched must not stop the flow
+        log.warning("could not look for orphaned MLflow runs: %s", err)
+        return 0
+    for run in runs:
+        pid = run.data.tags.get("posttrain.pid")
+        if pid and not _process_alive(int(pid), run.data.tags.get("posttrain.pid_started")):
+            c.set_tag(run.info.run_id, "posttrain.end_reason", "process gone")
+            c.set_terminated(run.info.run_id, "KILLED")
+            ended += 1
+    if ended:
+        log.warning("marked %d MLflow runs KILLED: their processes on %s are gone (killed or crashed)", ended, host)
+    return ended
+
+
+def _end_status(err: BaseException | None) -> str:
+    """FINISHED; FAILED for an error; KILLED for a cancellation (Prefect's termination signal, Ctrl-C, exit)."""
+    if err is None:
+        return "FINISHED"
+    return "FAILED" if isinstance(err, Exception) else "KILLED"
+
+
 @contextlib.contextmanager
 def flow_run(
     store_root: str | os.PathLike | None, experiment: str, name: str, tags: Mapping[str, Any] | None = None
 ) -> Iterator[RunLogger]:
-    """The parent run of one flow run; stages started inside (same thread or passed `parent_run_id`) nest under it."""
+    """The parent run of one flow run; stages started inside (same thread or passed `parent_run_id`) nest under it.
+
+    Ends FINISHED, FAILED (an exception) or KILLED (cancelled: a BaseException such as Prefect's termination
+    signal); runs left RUNNING by killed processes of this host are ended first (`end_orphaned_runs`).
+    """
+    end_orphaned_runs(store_root)
     c = client(store_root)
     exp = experiment_id(store_root, experiment)
-    run = c.create_run(exp, run_name=name, tags={k: str(v) for k, v in (tags or {}).items()})
+    run_tags = {**_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
+    run = c.create_run(exp, run_name=name, tags=run_tags)
     logger = RunLogger(tracking_uri(store_root), run.info.run_id)
     token, etoken = _PARENT.set(run.info.run_id), _EXPERIMENT.set(experiment)
-    status = "FAILED"
+    error: BaseException | None = None
     try:
         yield logger
-        status = "FINISHED"
+    except BaseException as err:
+        error = err
+        raise
     finally:
         _PARENT.reset(token)
         _EXPERIMENT.reset(etoken)
-        c.set_terminated(run.info.run_id, status)
+        c.set_terminated(run.info.run_id, _end_status(error))
 
 
 @contextlib.contextmanager
@@ -149,22 +244,25 @@ def current_parent() -> str | None:
 def stage_run(
     store_root: str | os.PathLike | None, stage: str, params: Mapping[str, Any], tags: Mapping[str, Any] | None = None
 ) -> Iterator[RunLogger]:
-    """A run for one stage, nested under the current parent run if there is one; marked FAILED on error."""
+    """A run for one stage, nested under the current parent run if there is one; FAILED on error, KILLED when
+    cancelled (as `flow_run`)."""
     c = client(store_root)
     parent_id = _PARENT.get()
     exp = c.get_run(parent_id).info.experiment_id if parent_id else experiment_id(store_root, _EXPERIMENT.get())
-    all_tags = {"posttrain.stage": stage, **{k: str(v) for k, v in (tags or {}).items()}}
+    all_tags = {"posttrain.stage": stage, **_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
     if parent_id:
         all_tags["mlflow.parentRunId"] = parent_id
     run = c.create_run(exp, run_name=stage, tags=all_tags)
     logger = RunLogger(tracking_uri(store_root), run.info.run_id)
     logger.log_params(params)
-    status = "FAILED"
+    error: BaseException | None = None
     try:
         yield logger
-        status = "FINISHED"
+    except BaseException as err:
+        error = err
+        raise
     finally:
-        c.set_terminated(run.info.run_id, status)
+        c.set_terminated(run.info.run_id, _end_status(error))
 
 
 def log_inputs(logger: RunLogger, inputs: Mapping[str, Any]) -> None:
