@@ -144,6 +144,16 @@ def build_lock(store: ArtifactStore, key: str, stage: str, poll_s: float = 1.0) 
         os.close(fd)  # releases the lock
 
 
+def _ray_cluster() -> dict[str, str]:
+    """Where the stage's Ray work ran (the GCS address of the cluster this process joined), for the manifest."""
+    import sys
+
+    ray = sys.modules.get("ray")  # a stage that never touched Ray has nothing to record (and must not import it)
+    if ray is None or not ray.is_initialized():
+        return {}
+    return {"ray_address": ray.get_runtime_context().gcs_address}
+
+
 def _build(stage, cfg, inputs, store, kind, build, schema_kind, key) -> ArtifactRef:
     log.info("%s: building %s", stage, key[:12])
     started = time.time()
@@ -160,6 +170,7 @@ def _build(stage, cfg, inputs, store, kind, build, schema_kind, key) -> Artifact
             "mlflow_run_id": tracker.run_id,
             "metrics": out.metrics,
             "duration_s": round(time.time() - started, 3),
+            **_ray_cluster(),
             **out.manifest,
         }
         ref = store.publish(key, kind, ctx.outdir, manifest, schema_kind=schema_kind)
