@@ -144,22 +144,15 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
     assert store.manifest(b)["metrics"]["optimizer_steps"] == 2
 
 
-def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tiny_inputs):
+def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tiny_inputs, vllm_or_skip):
     """Rollouts from the vLLM engine (its own environment, seeded T=1 sampling) feed the update; the mismatch between
     the engine's log-probs and the trainer's recomputed ones is logged and small (same weights, fp32 both sides)."""
-    import os
-
     from posttrain_core.config import RLConfig, RolloutConfig
-    from posttrain_core.rollout.stage import run_rollout, vllm_options
+    from posttrain_core.rollout.stage import run_rollout
     from posttrain_core.train.rl_stage import run_rl_update
 
     cfg = RolloutConfig(engine="vllm", n=4, max_prompts=6, max_tokens=6, num_engines=1, batch_size=8, seed=5)
-    try:
-        vllm_options(cfg)
-    except ValueError as err:
-        if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(str(err))
+    vllm_or_skip(cfg)
     store, base, _ = sampled
     rollouts = run_rollout(cfg, tiny_inputs[1].prompts, base, store)
     scored = _scored_with(store, rollouts, lambda k: float(k % 2), "vllm")

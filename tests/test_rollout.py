@@ -210,16 +210,13 @@ def test_pass_at_k_reuses_rollout_and_score(ray_session, tiny_inputs):
 
 
 @pytest.mark.slow
-def test_vllm_engine_through_the_stage(ray_session, tiny_inputs, engine, prompts_table):
+def test_vllm_engine_through_the_stage(ray_session, tiny_inputs, engine, prompts_table, vllm_or_skip):
     """engine="vllm" runs VLLMEngine in the vLLM environment on the same Ray Data pool (skipped without it)."""
     from posttrain_core.data.io import read_dataset
-    from posttrain_core.rollout.stage import run_rollout, sampling_settings, vllm_options
+    from posttrain_core.rollout.stage import run_rollout, sampling_settings
 
     cfg = RolloutConfig(engine="vllm", n=2, temperature=0.0, max_tokens=6, num_engines=1, batch_size=4, max_prompts=4)
-    try:
-        vllm_options(cfg)
-    except ValueError as err:
-        pytest.skip(str(err))
+    vllm_or_skip(cfg)
     store, data, base = tiny_inputs
     out = read_dataset(store.local_path(run_rollout(cfg, data.eval, base, store)), "rollouts")
     hf = engine.generate(prompts_table.slice(0, 4), sampling_settings(cfg))

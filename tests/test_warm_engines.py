@@ -85,18 +85,9 @@ def test_hf_pool_reloads_each_policy_in_the_same_actors(ray_session, tiny_inputs
     _check_pool(cfg, tiny_inputs, policy_b, tmp_path, "reloaded")
 
 
-def test_vllm_pool_updates_weights_in_place(ray_session, tiny_inputs, policy_b, tmp_path):
-    from posttrain_core.rollout.stage import vllm_options
-
+def test_vllm_pool_updates_weights_in_place(ray_session, tiny_inputs, policy_b, tmp_path, vllm_or_skip):
     cfg = RolloutConfig(engine="vllm", n=2, max_tokens=6, num_engines=1, batch_size=8, max_prompts=6, seed=3)
-    try:
-        vllm_options(cfg)
-    except ValueError as err:
-        import os
-
-        if os.environ.get("POSTTRAIN_REQUIRE_VLLM") == "1":
-            raise
-        pytest.skip(str(err))
+    vllm_or_skip(cfg)
     _check_pool(cfg, tiny_inputs, policy_b, tmp_path, "updated")
 
 
