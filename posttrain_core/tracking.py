@@ -188,11 +188,19 @@ def end_orphaned_runs(store_root: str | os.PathLike | None) -> int:
     return ended
 
 
-def _end_status(err: BaseException | None) -> str:
-    """FINISHED; FAILED for an error; KILLED for a cancellation (Prefect's termination signal, Ctrl-C, exit)."""
-    if err is None:
-        return "FINISHED"
-    return "FAILED" if isinstance(err, Exception) else "KILLED"
+@contextlib.contextmanager
+def _ended(c, run_id: str) -> Iterator[None]:
+    """End the run when the block exits: FINISHED; FAILED for an error; KILLED for a cancellation (a BaseException:
+    Prefect's termination signal, Ctrl-C, exit)."""
+    status = "KILLED"
+    try:
+        yield
+        status = "FINISHED"
+    except Exception:
+        status = "FAILED"
+        raise
+    finally:
+        c.set_terminated(run_id, status)
 
 
 @contextlib.contextmanager
@@ -211,16 +219,12 @@ def flow_run(
     run = c.create_run(exp, run_name=name, tags=run_tags)
     logger = RunLogger(tracking_uri(store_root), run.info.run_id)
     token, etoken = _PARENT.set(run.info.run_id), _EXPERIMENT.set(experiment)
-    error: BaseException | None = None
     try:
-        yield logger
-    except BaseException as err:
-        error = err
-        raise
+        with _ended(c, run.info.run_id):
+            yield logger
     finally:
         _PARENT.reset(token)
         _EXPERIMENT.reset(etoken)
-        c.set_terminated(run.info.run_id, _end_status(error))
 
 
 @contextlib.contextmanager
@@ -255,14 +259,8 @@ def stage_run(
     run = c.create_run(exp, run_name=stage, tags=all_tags)
     logger = RunLogger(tracking_uri(store_root), run.info.run_id)
     logger.log_params(params)
-    error: BaseException | None = None
-    try:
+    with _ended(c, run.info.run_id):
         yield logger
-    except BaseException as err:
-        error = err
-        raise
-    finally:
-        c.set_terminated(run.info.run_id, _end_status(error))
 
 
 def log_inputs(logger: RunLogger, inputs: Mapping[str, Any]) -> None:

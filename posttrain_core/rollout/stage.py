@@ -79,21 +79,19 @@ class RolloutWorker:
             "kept" (already serving it), "updated" (vLLM in-place weight update or adapter swap) or "reloaded" (a new
             engine in this process: the hf engine, or a vLLM engine that must change between full model and LoRA).
         """
+        from posttrain_core.models.loading import check_model_path
+
         if policy_digest == self.policy_digest:
             return "kept"
-        action = "reloaded"
-        if self.kind == "vllm":
-            from posttrain_core.models.loading import check_model_path
-
-            if self.engine.enable_lora or not check_model_path(model_path)["is_adapter"]:
-                self.engine.update_weights(model_path, policy_digest)
-                action = "updated"
-        if action == "reloaded":
-            close = getattr(self.engine, "close", None)
-            if close is not None:
-                close()
-            self.engine = None
+        if self.kind == "vllm" and (self.engine.enable_lora or not check_model_path(model_path)["is_adapter"]):
+            self.engine.update_weights(model_path, policy_digest)
+            action = "updated"
+        else:
+            if hasattr(self.engine, "close"):
+                self.engine.close()
+            self.engine = None  # the old weights are freed before the new ones load
             self.engine = self._new_engine(model_path, policy_digest)
+            action = "reloaded"
         self.policy_digest = policy_digest
         return action
 
