@@ -15,6 +15,8 @@ DEFAULTS = {
     "PREFECT_LOGGING_LEVEL": "INFO",
     # posttrain_core's own progress lines (stage built or cached, waits, engine loads) in the flow-run logs and the UI.
     "PREFECT_LOGGING_EXTRA_LOGGERS": "posttrain_core",
+    # ... and no warning per line when core code runs outside a flow run (the core is usable without Prefect).
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
     # Ray: no usage stats, no auth token written into $HOME, fewer background threads.
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
