@@ -16,8 +16,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.runtime import flow_run
 
+from flows import tracked
 from posttrain_core import reports, tracking
 from posttrain_core.artifacts import ArtifactStore
 from posttrain_core.config import RLHFFlowConfig
@@ -54,13 +54,7 @@ def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
     rl = config.rl.resolved()
     score_cfg = score_config_for(rl, config.score, config.rollout)
     gen_batches = rl.max_gen_batches if rl.dynamic_sampling else 1
-    with tracking.flow_run(
-        root,
-        config.experiment,
-        name=f"rlhf/{flow_run.name}",
-        tags={"prefect.flow_run_id": flow_run.id, "posttrain.flow": "rlhf", "posttrain.algorithm": rl.algorithm},
-    ) as run:
-        run.log_params(config.model_dump(mode="json"))
+    with tracked("rlhf", config, root, {"posttrain.algorithm": rl.algorithm}) as run:
         pid = run.run_id
 
         data = prepare_data(config.data, root, pid)
@@ -71,7 +65,9 @@ def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
             start = sft(config.sft, data.sft, start, root, pid)
         rm = reward_model(config.reward_model, data.preferences, start, root, pid) if config.reward_model else None
         evals = {0: evaluate(config.eval, data.eval, start, "iter0", root, pid)}
-        sampled = {0: _sampled_accuracy(config, store, data.eval, start, 0, pid, engines)} if config.eval_samples else {}
+        sampled = (
+            {0: _sampled_accuracy(config, store, data.eval, start, 0, pid, engines)} if config.eval_samples else {}
+        )
 
         policy, critic = start, None
         if rl.uses_critic and rl.value_pretrain_steps:

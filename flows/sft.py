@@ -13,8 +13,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.runtime import flow_run
 
+from flows import tracked
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactStore
 from posttrain_core.config import SFTFlowConfig
@@ -29,13 +29,7 @@ def sft_flow(config: SFTFlowConfig = SFTFlowConfig()) -> dict[str, Any]:  # noqa
     store = ArtifactStore(config.store)
     store.check_writable()  # a store that cannot take artifacts fails here, before any work
     root = str(store.root)
-    with tracking.flow_run(
-        root,
-        config.experiment,
-        name=f"sft/{flow_run.name}",
-        tags={"prefect.flow_run_id": flow_run.id, "posttrain.flow": "sft"},
-    ) as run:
-        run.log_params(config.model_dump(mode="json"))
+    with tracked("sft", config, root) as run:
         pid = run.run_id
 
         data = prepare_data(config.data, root, pid)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +39,13 @@ def connect(num_cpus: int | None = None) -> None:
         # At least 2 logical CPUs so the 2-worker default runs on small machines; torch threads are set per worker.
         kwargs.update(num_cpus=num_cpus or max(2, os.cpu_count() or 1), include_dashboard=False)
     log.info("connecting to Ray (%s)", address or "local")
+    # ray.init replaces the SIGTERM handler with a bare sys.exit. Inside a Prefect flow run the handler already
+    # installed is Prefect's cancellation bridge (SIGTERM -> TerminationSignal -> state Cancelled, MLflow KILLED);
+    # under Ray's, a run cancelled from the CLI or UI would end Crashed. Keep a handler a caller installed.
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     ray.init(**kwargs)
+    if callable(previous):
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_port() -> int:

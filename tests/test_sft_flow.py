@@ -70,6 +70,33 @@ def test_sft_flow_trains_tracks_and_caches(prefect_api, ray_session, tiny_config
     assert elapsed < 30, elapsed
 
 
+def test_eval_flow_reports_the_latest_models_reusing_their_evaluations(prefect_api, ray_session, tiny_config):
+    """After the sft flow: the eval flow finds its models by stage; the same model, prompts and settings are the same
+    evaluate stage, so nothing is recomputed. A missing `latest:` is skipped, an unknown name fails naming the field."""
+    from flows.eval import EvalFlowConfig, eval_flow
+    from posttrain_core.artifacts import ArtifactStore
+
+    store = ArtifactStore(tiny_config.store)
+    evaluations = {r.key for r in store.list() if store.manifest(r)["stage"] == "evaluate"}
+    assert evaluations, "runs after test_sft_flow_trains_tracks_and_caches (same session store)"
+    config = EvalFlowConfig(
+        store=tiny_config.store,
+        data=tiny_config.data,
+        eval=tiny_config.eval,
+        models=["latest:sft", "latest:build_model", "latest:rl_update"],
+    )
+    result = eval_flow(config)
+    rows = {row["model"]: row for row in result["rows"]}
+    assert set(rows) == {"latest:sft", "latest:build_model"}  # no RL model in this store: skipped
+    assert rows["latest:sft"]["stage"] == "sft" and rows["latest:build_model"]["stage"] == "build_model"
+    assert {r.key for r in store.list() if store.manifest(r)["stage"] == "evaluate"} == evaluations
+    sft_eval = next(r for r in store.list() if r.key.startswith(rows["latest:sft"]["eval_key"]))
+    assert rows["latest:sft"]["accuracy"] == round(store.manifest(sft_eval)["metrics"]["accuracy"], 4)
+
+    with pytest.raises(ValueError, match=r"models\[1\]: 'no-such-model'"):
+        eval_flow(config.model_copy(update={"models": ["latest:sft", "no-such-model"]}))
+
+
 def test_sft_flow_on_user_model_folder_and_jsonl_with_lora(prefect_api, ray_session, tmp_path, tiny_inputs):
     """The Python entry point with an arbitrary HF model folder and a JSONL file of chats (LoRA, no pretraining)."""
     import json
