@@ -4,9 +4,12 @@ Stages exchange small frozen `ArtifactRef`s; the store maps a stage key to a com
 
 Layout under the store root (a local folder or any fsspec URI):
 
-    artifacts/{key[:2]}/{key}/               one complete artifact: content files + manifest.json (written last)
-    artifacts/{key[:2]}/.tmp-{key}-{uuid}/   a publish in progress, or the leftover of a crashed one (`sweep()`)
-    staging/{key}/                           local stores only: per-key working folder that survives retries
+    artifacts/{key[:2]}/{key}/                   one complete artifact: content files + manifest.json (written last)
+    artifacts/{key[:2]}/.tmp-{key}-{uuid}/       a publish in progress, or the leftover of a crashed one (`sweep()`)
+    artifacts/{key[:2]}/.tmp-{key}-del-{uuid}/   local stores: an artifact being deleted (`delete()`), or the
+                                                 leftover of a crashed delete (`sweep()`)
+    tombstones/{key}                             how many times `key` was deleted (`generation()`); absent: never
+    staging/{key}/                               local stores only: per-key working folder that survives retries
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import shutil
 import time
 import uuid
@@ -39,6 +43,9 @@ KINDS: tuple[str, ...] = ("dataset", "model")
 SCHEMA_KINDS: tuple[str, ...] = ("prompts", "sft", "preferences", "rollouts", "scored_rollouts", "eval", "text")
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
+TOMBSTONES = "tombstones"
+# `.tmp-{key}-del-{uuid hex}`: an artifact moved aside by delete(); garbage by construction, swept at any age.
+_DELETED = re.compile(r"^\.tmp-(?P<key>.+)-del-[0-9a-f]{32}$")
 EXTERNAL_PREFIX = "external-"
 STORE_ENV = "POSTTRAIN_STORE"
 DEFAULT_ROOT = "./.posttrain"
@@ -119,7 +126,8 @@ class ArtifactStore:
 
     Guarantees: `get()` returns only complete artifacts (manifest.json present); a crash during `publish()` leaves at
     most a `.tmp-*` folder (removed by `sweep()`); concurrent publishers of one key end with exactly one artifact and
-    all get its ref.
+    all get its ref; `delete()` makes an artifact invisible at once (never partly visible) and counts the deletion
+    in `generation(key)`.
 
     Args:
         root: local folder or fsspec URI (`file://`, `memory://`, `s3://`...). Default: the environment variable
@@ -225,6 +233,26 @@ class ArtifactStore:
             where = self._uri(target) if ref is None else f"{self._uri(target)} or {ref.uri}"
             raise FileNotFoundError(f"no complete artifact {key!r} (no readable {MANIFEST} at {where})")
         return manifest
+
+    def generation(self, key: str) -> int:
+        """How many times the artifact `key` was deleted from this store (0: never).
+
+        Caches above the store (Prefect's task records, `tasks.common.stage_cache`) put it in their keys, so a record
+        that holds a ref to a deleted artifact is never reused: the stage rebuilds it under the same key.
+        """
+        _check_key(key)
+        path = self._tombstone(key)
+        try:
+            if self.is_local:
+                data = Path(path).read_bytes()
+            else:
+                data = self.fs.cat_file(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        try:
+            return int(data.decode().strip() or 0)
+        except ValueError as e:
+            raise ValueError(f"{self._uri(path)}: not a deletion count ({data[:40]!r}); remove the file") from e
 
     def list(self, kind: Kind | None = None) -> list[ArtifactRef]:
         """The complete artifacts in the store (optionally of one kind), sorted by key."""
@@ -411,22 +439,69 @@ class ArtifactStore:
             kind=kind, key=EXTERNAL_PREFIX + digest[:16], uri=str(folder), digest=digest, schema_kind=schema_kind
         )
 
+    def delete(self, key: str) -> bool:
+        """Delete the artifact `key` (and its staging folder and downloaded copy); return whether there was one.
+
+        Crash-safe: a reader never sees a partial artifact. The deletion is first counted in `tombstones/{key}` (see
+        `generation`); then a local store renames the folder to `.tmp-{key}-del-{uuid}` beside it (atomic: `get()`
+        returns None from then on) and removes that; a remote store removes manifest.json first, then the content.
+        A crash in between leaves a folder that `sweep()` removes (a remote one without its manifest: rerun
+        `delete(key)` or `sweep()`). A folder without a manifest under `key` (a foreign leftover) is removed too.
+
+        The store takes no lock: callers that may race a build of the same key hold its build lock
+        (`posttrain_core.stage.try_build_lock`), as `posttrain artifacts gc` does.
+
+        Raises:
+            ValueError: the key is malformed.
+        """
+        _check_key(key)
+        target = self._target(key)
+        complete = self.get(key) is not None
+        present = os.path.lexists(target) if self.is_local else self.fs.exists(target)
+        if present:
+            self._write_tombstone(key, self.generation(key) + 1)
+            if self.is_local:
+                doomed = Path(target).parent / f"{TMP_PREFIX}{key}-del-{uuid.uuid4().hex}"
+                try:
+                    os.rename(target, doomed)
+                except FileNotFoundError:  # a concurrent delete won
+                    present = complete = False
+                else:
+                    _fsync(doomed.parent)
+                    shutil.rmtree(doomed, ignore_errors=True)
+            else:
+                try:
+                    self.fs.rm_file(f"{target}/{MANIFEST}")
+                except FileNotFoundError:
+                    pass
+                try:
+                    self.fs.rm(target, recursive=True)
+                except FileNotFoundError:
+                    pass
+        self.clear_staging(key)
+        shutil.rmtree(self.cache_root / key, ignore_errors=True)
+        if complete:
+            logger.info("deleted artifact %s (generation %d)", key, self.generation(key))
+        return complete
+
     def sweep(self, max_age_s: float = 3600) -> int:
         """Delete `.tmp-*` folders (crashed publishes and downloads) older than `max_age_s`; return how many.
 
-        A publish in progress also owns a `.tmp-*` folder, so keep `max_age_s` above the longest publish.
+        A publish in progress also owns a `.tmp-*` folder, so keep `max_age_s` above the longest publish. Leftovers
+        of a crashed `delete()` go too: locally the `.tmp-{key}-del-*` folders, at any age; remotely a deleted key's
+        folder that lost its manifest, once older than `max_age_s` (a remote re-publish also moves its manifest last).
         """
         now = time.time()
         removed = 0
         if self.is_local:
-            candidates = list((Path(self._root) / "artifacts").glob(f"*/{TMP_PREFIX}*"))
-            candidates += list(self.cache_root.glob(f"{TMP_PREFIX}*"))
-            for tmp in candidates:
+            in_store = list((Path(self._root) / "artifacts").glob(f"*/{TMP_PREFIX}*"))
+            deleted = {tmp for tmp in in_store if _DELETED.match(tmp.name)}
+            for tmp in in_store + list(self.cache_root.glob(f"{TMP_PREFIX}*")):
                 try:
                     age = now - tmp.stat().st_mtime
                 except FileNotFoundError:
                     continue
-                if age >= max_age_s:
+                if age >= max_age_s or tmp in deleted:
                     shutil.rmtree(tmp, ignore_errors=True)
                     if not os.path.lexists(tmp):
                         removed += 1
@@ -438,8 +513,10 @@ class ArtifactStore:
             return 0
         for prefix in prefixes:
             for entry in self.fs.ls(prefix, detail=False):
-                if not posixpath.basename(entry.rstrip("/")).startswith(TMP_PREFIX):
-                    continue
+                name = posixpath.basename(entry.rstrip("/"))
+                if not name.startswith(TMP_PREFIX):
+                    if not self._crashed_delete(name, entry):
+                        continue
                 mtime = _remote_mtime(self.fs, entry)
                 if max_age_s <= 0 or (mtime is not None and now - mtime >= max_age_s):
                     self.fs.rm(entry, recursive=True)
@@ -450,6 +527,31 @@ class ArtifactStore:
     # ----------------------------------------------------------------------------------------------- internals
     def _target(self, key: str) -> str:
         return f"{self._root}/artifacts/{key[:2]}/{key}"
+
+    def _tombstone(self, key: str) -> str:
+        return f"{self._root}/{TOMBSTONES}/{key}"
+
+    def _write_tombstone(self, key: str, count: int) -> None:
+        path = self._tombstone(key)
+        body = f"{count}\n".encode()
+        if not self.is_local:
+            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            self.fs.pipe_file(path, body)
+            return
+        folder = Path(path).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{TMP_PREFIX}{key}-{uuid.uuid4().hex}"
+        _write_manifest(tmp, body)  # write + fsync
+        os.replace(tmp, path)
+        _fsync(folder)
+
+    def _crashed_delete(self, name: str, entry: str) -> bool:
+        """A remote key folder without a manifest whose key was deleted before: what a crashed delete() leaves."""
+        try:
+            _check_key(name)
+        except ValueError:
+            return False
+        return self.generation(name) > 0 and not self.fs.exists(f"{entry.rstrip('/')}/{MANIFEST}")
 
     def _uri(self, path: str) -> str:
         return path if self.is_local else self.fs.unstrip_protocol(path)

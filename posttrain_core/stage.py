@@ -66,9 +66,15 @@ def check_inputs(stage: str, inputs: Mapping[str, ArtifactRef], store: ArtifactS
                     f"{stage}: input '{name}' at {ref.uri} changed since it was registered; re-run from the start"
                 )
         elif store.get(ref.key) is None and not _complete_at(ref.uri):
+            deleted = store.generation(ref.key)
+            cause = (
+                f"it was deleted from the store ({deleted}x), e.g. by `posttrain artifacts gc`."
+                if deleted
+                else "was it deleted by `posttrain artifacts gc`, or the store modified by hand?"
+            )
             raise FileNotFoundError(
-                f"{stage}: input '{name}' (artifact {ref.key[:12]}) is missing at {ref.uri}; "
-                "artifacts are never deleted by posttrain: was the store modified by hand?"
+                f"{stage}: input '{name}' (artifact {ref.key[:12]}) is missing at {ref.uri}; {cause} "
+                "A rerun of the flow that produced it rebuilds it."
             )
 
 
@@ -123,9 +129,7 @@ def build_lock(store: ArtifactStore, key: str, stage: str, poll_s: float = 1.0) 
     blocks the next one (which then resumes from the crashed one's in-stage checkpoints). Runs on other machines
     sharing a remote store are not serialised: each builds, and the store keeps the first publish.
     """
-    folder = Path(store.staging_root) / "locks"
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / key, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(store, key)
     try:
         waited, last_note = 0.0, 0.0
         while True:
@@ -142,6 +146,28 @@ def build_lock(store: ArtifactStore, key: str, stage: str, poll_s: float = 1.0) 
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def try_build_lock(store: ArtifactStore, key: str) -> Iterator[bool]:
+    """Take the build lock of `key` (see `build_lock`) without waiting: yields True while holding it, False when a
+    build of that key is running on this machine (nothing is held then). `posttrain artifacts gc` deletes under it."""
+    fd = _open_lock(store, key)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+        else:
+            yield True
+    finally:
+        os.close(fd)
+
+
+def _open_lock(store: ArtifactStore, key: str) -> int:
+    folder = Path(store.staging_root) / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    return os.open(folder / key, os.O_RDWR | os.O_CREAT, 0o644)
 
 
 def _ray_cluster() -> dict[str, str]:

@@ -42,15 +42,20 @@ def is_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 def stage_cache(key_of: Callable[[dict[str, Any], ArtifactStore], str]) -> Callable[[Any, dict[str, Any]], str | None]:
-    """A Prefect `cache_key_fn` equal to the core stage key (plus the store's identity).
+    """A Prefect `cache_key_fn` equal to the core stage key (plus the store's identity and deletion generation).
 
     The store is part of the key, so two stores never share records; Prefect's result records live inside the
-    default store (`env.apply_defaults`), so wiping the store wipes them too.
+    default store (`env.apply_defaults`), so wiping the store wipes them too. Once the artifact was deleted
+    (`posttrain artifacts gc`), `-g{n}` (n = `ArtifactStore.generation(key)`) is appended: the record holding the ref
+    of the deleted artifact is never hit again, and the task rebuilds the artifact under the same core key.
     """
 
     def cache_key_fn(context: Any, parameters: dict[str, Any]) -> str | None:
         store = store_at(parameters.get("store_root"))
-        return f"{key_of(parameters, store)}-{hashlib.sha256(str(store.root).encode()).hexdigest()[:12]}"
+        key = key_of(parameters, store)
+        deleted = store.generation(key)
+        suffix = f"-g{deleted}" if deleted else ""
+        return f"{key}-{hashlib.sha256(str(store.root).encode()).hexdigest()[:12]}{suffix}"
 
     return cache_key_fn
 

@@ -393,3 +393,81 @@ def test_memory_fsspec_store(tmp_path: Path, monkeypatch) -> None:
     fs.pipe_file(f"{store._root}/artifacts/ab/.tmp-{KEY}-dead/manifest.json", b"{}")
     assert store.list() == [ref] and store.sweep(max_age_s=0) == 1
     assert fs.ls(f"{store._root}/artifacts/ab", detail=False) == [f"{store._root}/artifacts/ab/{KEY}"]
+
+
+# --------------------------------------------------------------------------------------------- delete
+def test_delete_counts_generations_and_clears_staging(store: ArtifactStore) -> None:
+    ref = _publish(store, KEY, {"a.bin": b"1"})
+    (store.staging_dir(KEY) / "checkpoint").write_bytes(b"c")
+    assert store.generation(KEY) == 0
+    assert store.delete(KEY) is True
+    assert store.get(KEY) is None and store.list() == [] and _entries(store, KEY) == []
+    assert store.generation(KEY) == 1 and not (store.staging_root / KEY).exists()
+    assert (Path(store.root) / "tombstones" / KEY).read_text() == "1\n"
+    assert store.delete(KEY) is False and store.generation(KEY) == 1  # nothing there: not counted again
+    again = _publish(store, KEY, {"a.bin": b"1"})
+    assert again == ref and store.generation(KEY) == 1  # same key, same content: rebuilt as it was
+    assert store.delete(KEY) and store.generation(KEY) == 2
+    with pytest.raises(ValueError, match="invalid artifact key"):
+        store.delete("../etc")
+
+
+DELETE_KILL_SCRIPT = r"""
+import os, shutil, signal, sys
+from posttrain_core.artifacts import ArtifactStore
+
+store, key = ArtifactStore(sys.argv[1]), sys.argv[2]
+out = store.new_output_dir(key)
+(out / "w.bin").write_bytes(os.urandom(64 * 1024))
+store.publish(key, "model", out, {"stage": "killed"})
+real_rmtree = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if "-del-" in os.path.basename(os.fspath(path)):
+        os.kill(os.getpid(), signal.SIGKILL)  # killed after the rename, before the content is gone
+    return real_rmtree(path, *args, **kwargs)
+shutil.rmtree = rmtree
+print("deleting", flush=True)
+store.delete(key)
+print("survived", flush=True)
+"""
+
+
+def test_sigkill_mid_delete_hides_the_artifact_and_sweep_removes_the_rest(store: ArtifactStore) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", DELETE_KILL_SCRIPT, store.root, KEY], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "deleting" in proc.stdout and "survived" not in proc.stdout
+    assert store.get(KEY) is None and store.list() == [] and store.generation(KEY) == 1
+    [leftover] = _entries(store, KEY)
+    assert leftover.startswith(f".tmp-{KEY}-del-")
+    assert store.sweep() == 1  # a deleted artifact is garbage at any age
+    assert _entries(store, KEY) == []
+
+
+def test_delete_from_a_remote_store(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    store = ArtifactStore(f"memory://posttrain-test-{uuid.uuid4().hex}")
+    ref = _publish(store, KEY, {"model.safetensors": b"w" * 100, "tok/vocab.json": b"{}"})
+    assert store.local_path(ref).is_dir()
+    assert store.delete(KEY) and store.get(KEY) is None and store.generation(KEY) == 1
+    assert not store.fs.exists(f"{store._root}/artifacts/ab/{KEY}") and not (store.cache_root / KEY).exists()
+    assert store.fs.cat_file(f"{store._root}/tombstones/{KEY}") == b"1\n"
+
+    # Killed after the manifest went, before the content: invisible at once; sweep() (or delete again) finishes.
+    _publish(store, KEY, {"model.safetensors": b"w" * 100})
+    real_rm = store.fs.rm
+
+    def rm(path, *args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(store.fs, "rm", rm)
+    with pytest.raises(KeyboardInterrupt):
+        store.delete(KEY)
+    monkeypatch.setattr(store.fs, "rm", real_rm)
+    assert store.get(KEY) is None and store.list() == [] and store.generation(KEY) == 2
+    assert store.fs.exists(f"{store._root}/artifacts/ab/{KEY}/model.safetensors")
+    assert store.sweep(max_age_s=0) == 1
+    assert not store.fs.exists(f"{store._root}/artifacts/ab/{KEY}")
+    assert _publish(store, KEY, {"model.safetensors": b"w" * 100}).key == KEY
