@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: demo test test-fast server install vllm-env clean
+.PHONY: demo test test-fast server install vllm-env clean bench
 
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
@@ -44,3 +44,9 @@ server: $(STAMP)
 
 clean:
 	rm -rf .posttrain
+
+# posttrain vs TRL side by side (bench/README.md): TRL goes into .venv-bench, layered on the main venv (nothing else
+# installed; torch and transformers stay). ~15 min on 2 cores; `make bench BENCH_ARGS=--quick` is a ~4 min smoke run.
+bench: $(STAMP)
+	bash bench/setup_venv.sh $(VENV) .venv-bench
+	.venv-bench/bin/python -m bench.trl_bench $(BENCH_ARGS)

@@ -182,6 +182,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
     history: list[float] = []
+    step_seconds: list[float] = []  # compute time of every step run here (the benchmarks read it)
     tokens_seen, compute_s, t_start = 0, 0.0, time.time()
     for step in range(start_step, cfg.max_steps):
         t0 = time.time()
@@ -211,7 +212,8 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
         grad_norm, lr = optimizer_step(params, opt, sched, cfg.max_grad_norm)
         if world > 1:
             dist.all_reduce(stats)
-        compute_s += time.time() - t0  # throughput excludes logging and checkpoint I/O
+        step_seconds.append(time.time() - t0)
+        compute_s += step_seconds[-1]  # throughput excludes logging and checkpoint I/O
         loss = float(stats[0] / n_tok)
         history.append(loss)
         tokens_seen += int(stats[1])
@@ -257,10 +259,19 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
             final_loss=sum(history[-k:]) / k if history else float("nan"),
             tokens_per_s=tokens_seen / max(compute_s, 1e-9),
             train_time_s=elapsed,
+            step_seconds=step_seconds,
+            peak_rss_mb=peak_rss_mb(),
         )
     if world > 1:
         dist.barrier()
     return result
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _save_checkpoint(job: TrainJob, model, opt, sched, step: int, keep: int) -> None:

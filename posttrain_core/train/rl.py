@@ -24,7 +24,7 @@ from typing import Any
 
 from posttrain_core.config import RLConfig
 from posttrain_core.tracking import RunLogger
-from posttrain_core.train.loop import IGNORE, TrainWorker
+from posttrain_core.train.loop import IGNORE, TrainWorker, peak_rss_mb
 
 STATE_FILE = "trainer_state.pt"  # optimizer states, step count: the policy artifact carries them to the next update
 CRITIC_DIR = "critic"
@@ -270,6 +270,7 @@ class RLWorker(TrainWorker):
             "critic_grad_norm": sum(critic_norms) / len(critic_norms) if critic_norms else 0.0,
             "optimizer_steps": float(self.step),
             "update_s": time.time() - t0,
+            "peak_rss_mb": peak_rss_mb(),
         }
         if self.rank == 0:
             metrics["model_info"] = self._save(targets.next_kl_coef)

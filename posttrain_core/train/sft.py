@@ -81,6 +81,7 @@ def _run_training(
             group.shutdown()
         info = result.pop("model_info")
         history = result.pop("loss_history")
+        step_seconds = result.pop("step_seconds")
         return StageOutput(
             manifest={
                 "objective": objective,
@@ -91,6 +92,7 @@ def _run_training(
                 "model_type": base_info.get("model_type"),
                 "resumed_from_step": result["resumed_from_step"],
                 "loss_history": [round(x, 6) for x in history],
+                "step_seconds": [round(x, 4) for x in step_seconds],
             },
             metrics={k: float(v) for k, v in result.items() if isinstance(v, int | float) and k != "rank"},
         )
