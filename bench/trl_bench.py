@@ -458,7 +458,13 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
     lines += ["", f"per-stage orchestration overhead (median of {s['overhead_reps']}, seconds)"]
     for label, v in o.items():
         lines.append(f"| {label} | {v:.3f} |")
-    lines += ["", f"total bench time {total_s / 60:.1f} min"]
+    la = res.get("load", {})
+    lines += [
+        "",
+        f"total bench time {total_s / 60:.1f} min; machine load average (1 min) at start {la.get('start', 0):.1f}, "
+        f"end {la.get('end', 0):.1f} on {os.cpu_count()} CPUs (other jobs slow multi-threaded steps a lot: compare "
+        "ratios, not absolute numbers)",
+    ]
     return "\n".join(lines)
 
 
@@ -493,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     n_cmp = s["sft_steps"] * s["global_batch"]
     ex = b.datasets[n_cmp][1]
     res: dict = {
+        "load": {"start": os.getloadavg()[0]},
         "trl_version": trl.__version__, "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "mean_len": sum(len(x) for x, _ in ex) / len(ex),
@@ -516,6 +523,7 @@ def main(argv: list[str] | None = None) -> None:
         res["grpo"] = b.grpo_compare()
         res["scaling"] = b.scaling(res["sft1"], res.get("sft2"))
         res["overhead"] = b.overhead()
+        res["load"]["end"] = os.getloadavg()[0]
         text = report(s, b, res, time.time() - started)
         print("\n" + text, flush=True)
         if args.json:

@@ -175,6 +175,15 @@ class RLWorker(TrainWorker):
                 self.critic_sched.load_state_dict(state["critic_scheduler"])
             self.ddp_critic = wrap(self.critic.train())
 
+    def release(self) -> None:
+        """Drop the models and optimizers of the last update (the process stays, warm, for the next one)."""
+        import gc
+
+        for name in ("policy", "reference", "critic", "ddp_policy", "ddp_critic", "opt", "critic_opt", "sched",
+                     "critic_sched", "params", "critic_params", "job", "tokenizer"):  # fmt: skip
+            self.__dict__.pop(name, None)
+        gc.collect()
+
     def prepare(self, batch: RLBatch, rows: list[int]) -> dict[str, list]:
         """Old log-probs, reference log-probs and values of `rows` with the current weights (no gradients)."""
         import torch

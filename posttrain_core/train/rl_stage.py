@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -259,7 +261,7 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
     """load -> prepare (sharded) -> targets on the driver -> update; returns (update metrics, target metrics)."""
     import ray
 
-    from posttrain_core.cluster import WorkerGroup, split
+    from posttrain_core.cluster import split
 
     if len(batch) < cfg.num_workers * cfg.mini_batches:
         raise ValueError(
@@ -267,7 +269,8 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
             "workers (every worker needs a row per mini-batch): sample more prompts or lower rl.mini_batches"
         )
     t0 = time.time()
-    group = WorkerGroup(RLWorker, cfg.num_workers)
+    group = acquire_workers(cfg.num_workers)
+    done = False
     try:
         group.run("load", job)
         t1 = time.time()
@@ -281,11 +284,89 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
         targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs)
         t2 = time.time()
         result = group.run("update", batch_ref, targets)[0]
+        done = True
     finally:
-        group.shutdown()
+        if done:
+            release_workers(group, cfg.num_workers)
+        else:
+            group.shutdown()
     # start-up (actors, process group, model loading) vs the work: old/ref log-probs + advantages, then the update
     target_metrics.update(startup_s=t1 - t0, prepare_s=t2 - t1, train_s=time.time() - t2)
     return result, target_metrics
+
+
+# ------------------------------------------------------------------------------------- warm update workers
+WARM_ENV = "POSTTRAIN_WARM_RL_WORKERS"  # "0": a fresh worker group for every update
+WARM_IDLE_S = 300.0  # an idle warm group is shut down after this long
+_warm_lock = threading.Lock()
+_warm: dict[int, tuple[Any, str]] = {}  # num_workers -> (idle group, the Ray cluster it lives in)
+
+
+def _cluster_id() -> str:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+
+
+def acquire_workers(num_workers: int):
+    """A worker group of `num_workers` RLWorkers: the idle one a previous update of this process left, else new.
+
+    Starting a group (Ray actors, imports, the gloo process group) costs seconds on every RL iteration; a warm group
+    only loads the new policy. Every update still loads everything it uses from the artifacts (`RLWorker.load`), so
+    a warm group computes exactly what a fresh one does. A warm group is taken out of the pool while in use (two
+    concurrent updates never share one) and health-checked first; a dead or stale one is replaced. Warm groups
+    reserve no Ray CPUs (like the warm rollout engines): idle, they must not block the other stages' tasks.
+    """
+    from posttrain_core.cluster import WorkerGroup, connect
+
+    connect()
+    if os.environ.get(WARM_ENV, "1") == "0":
+        return WorkerGroup(RLWorker, num_workers)
+    with _warm_lock:
+        entry = _warm.pop(num_workers, None)
+    if entry is not None:
+        group, cluster = entry
+        try:
+            import ray
+
+            if cluster == _cluster_id() and group.actors:
+                ray.get([a.rendezvous.remote() for a in group.actors], timeout=30)
+                return group
+        except Exception as err:  # a worker died while idle: start a fresh group
+            log.info("%s: warm update workers unusable (%s); starting new ones", STAGE, type(err).__name__)
+        group.shutdown()
+    return WorkerGroup(RLWorker, num_workers, num_cpus=0)
+
+
+def release_workers(group, num_workers: int) -> None:
+    """Free the models in `group` and keep its processes for the next update (shut down after WARM_IDLE_S idle)."""
+    if os.environ.get(WARM_ENV, "1") == "0":
+        group.shutdown()
+        return
+    try:
+        group.run("release")
+        cluster = _cluster_id()
+    except Exception:  # noqa: BLE001 - nothing to keep
+        group.shutdown()
+        return
+    with _warm_lock:
+        old = _warm.pop(num_workers, None)
+        _warm[num_workers] = (group, cluster)
+    if old is not None:
+        old[0].shutdown()
+    timer = threading.Timer(WARM_IDLE_S, _expire, (num_workers, group))
+    timer.daemon = True
+    timer.start()
+
+
+def _expire(num_workers: int, group) -> None:
+    with _warm_lock:
+        entry = _warm.get(num_workers)
+        if entry is None or entry[0] is not group:
+            return  # in use again, or replaced
+        del _warm[num_workers]
+    group.shutdown()
 
 
 def check_rl_inputs(cfg: RLConfig, scored: list[ArtifactRef], policy: ArtifactRef, store: ArtifactStore) -> None:
