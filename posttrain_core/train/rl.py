@@ -66,7 +66,7 @@ class Targets:
     """What the driver computed over the whole batch, per row and response token."""
 
     advantages: list[list[float]]
-    old_logp: list[list[float]]
+    old_logp: list[list[float]] | None  # None: one optimizer step per batch, old = the update's own log-probs
     ref_logp: list[list[float]] | None
     returns: list[list[float]] | None
     old_values: list[list[float]] | None
@@ -184,20 +184,28 @@ class RLWorker(TrainWorker):
             self.__dict__.pop(name, None)
         gc.collect()
 
-    def prepare(self, batch: RLBatch, rows: list[int]) -> dict[str, list]:
-        """Old log-probs, reference log-probs and values of `rows` with the current weights (no gradients)."""
+    def prepare(self, batch: RLBatch, rows: list[int], need_old: bool = True) -> dict[str, Any]:
+        """Old log-probs, reference log-probs and values of `rows` with the current weights (no gradients).
+
+        need_old=False (the driver's call: the update takes one optimizer step on this batch, and nothing before it
+        needs the old log-probs): the policy pass is skipped, since the update's first forward computes exactly
+        these log-probs with these weights; `old_logp` is then None. Kept when the policy has active dropout (its
+        train-mode forward would differ from the eval-mode one).
+        """
         import torch
 
         from posttrain_core.algorithms.rl import token_logprobs
         from posttrain_core.models.critic import token_values
 
-        out: dict[str, list] = {"rows": rows, "old_logp": [], "ref_logp": [], "values": []}
+        skip_old = not need_old and not _dropout_active(self.policy)
+        out: dict[str, Any] = {"rows": rows, "old_logp": None if skip_old else [], "ref_logp": [], "values": []}
         with torch.no_grad(), self._autocast():
             for chunk in _chunks(rows, 2 * self.cfg.micro_batch_size):
                 ids, attn, pos, labels, mask = encode(batch, chunk, self.pad_id)
                 lengths = [len(batch.response_ids[i]) for i in chunk]
-                old = token_logprobs(response_logits(self.policy.eval(), ids, attn, pos), labels)
-                out["old_logp"] += [old[b, :n].tolist() for b, n in enumerate(lengths)]
+                if not skip_old:
+                    old = token_logprobs(response_logits(self.policy.eval(), ids, attn, pos), labels)
+                    out["old_logp"] += [old[b, :n].tolist() for b, n in enumerate(lengths)]
                 ref = None
                 if self.lora:
                     with self.policy.disable_adapter():
@@ -227,7 +235,9 @@ class RLWorker(TrainWorker):
         width = max(1, max(len(r) for r in batch.response_ids))
         full = {
             "adv": pad(targets.advantages, width),
-            "old": pad(targets.old_logp, width),
+            "old": pad(targets.old_logp, width) if targets.old_logp is not None else None,
+            # without old log-probs from `prepare`, the update itself checks them against the engine's
+            "rollout": pad(batch.rollout_logprobs, width) if targets.old_logp is None else None,
             "ref": pad(targets.ref_logp, width) if targets.ref_logp else None,
             "ret": pad(targets.returns, width) if targets.returns else None,
             "val": pad(targets.old_values, width) if targets.old_values else None,
@@ -236,6 +246,8 @@ class RLWorker(TrainWorker):
         }
         # [pg loss, kl loss, entropy sum, clip sum, approx-kl sum, value loss, vf-clip sum, nll loss, tokens]
         stats = torch.zeros(9, dtype=torch.float64)
+        # old log-probs computed here (targets.old_logp None): [|rollout - old| sum, KL k1 sum, KL k3 sum], max gap
+        self._old_checks, self._old_gap_max = torch.zeros(3, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         grad_norms, critic_norms, t0 = [], [], time.time()
         for epoch in range(targets.epochs):
             g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step * 7919 + self.critic_step * 31 + epoch)
@@ -264,6 +276,9 @@ class RLWorker(TrainWorker):
                     self.critic_step += 1
         if world > 1:
             dist.all_reduce(stats)
+            if targets.old_logp is None:
+                dist.all_reduce(self._old_checks)
+                dist.all_reduce(self._old_gap_max, op=dist.ReduceOp.MAX)
         steps = max(1, targets.epochs * cfg.mini_batches)
         tok = max(float(stats[8]), 1.0)
         metrics = {
@@ -281,6 +296,12 @@ class RLWorker(TrainWorker):
             "update_s": time.time() - t0,
             "peak_rss_mb": peak_rss_mb(),
         }
+        if targets.old_logp is None and self.job.train_policy:  # what compute_targets reports from `prepare`
+            metrics["logp_mismatch_mean"] = float(self._old_checks[0]) / tok
+            metrics["logp_mismatch_max"] = float(self._old_gap_max[0])
+            if full["ref"] is not None:
+                metrics["kl_k1"] = float(self._old_checks[1]) / tok
+                metrics["kl_k3"] = float(self._old_checks[2]) / tok
         if self.rank == 0:
             metrics["model_info"] = self._save(targets.next_kl_coef)
         if world > 1:
@@ -305,13 +326,17 @@ class RLWorker(TrainWorker):
         cfg, out = self.cfg, torch.zeros(9, dtype=torch.float64)
         ids, attn, pos, labels, mask = encode(batch, rows, self.pad_id)
         R = mask.shape[1]
-        adv, old, m = full["adv"][rows, :R], full["old"][rows, :R], full["mask"][rows, :R]
+        adv, m = full["adv"][rows, :R], full["mask"][rows, :R]
+        old = full["old"][rows, :R] if full["old"] is not None else None
         scale = float(self.world)  # DDP averages gradients over ranks; our losses are already global sums
         if self.job.train_policy:
             no_sync = contextlib.nullcontext() if sync else self.ddp_policy.no_sync()
             with no_sync, self._autocast():
                 logits = response_logits(self.ddp_policy, ids, attn, pos)
                 logp = token_logprobs(logits, labels)
+                if old is None:  # the only optimizer step on this batch: these weights sampled it
+                    old = logp.detach()
+                    self._check_old(full, rows, R, old, m)
                 if cfg.policy_loss == "gspo":
                     seq_adv = (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
                     pg, info = gspo_loss(logp, old, seq_adv, m, num_seqs=counts["num_seqs"])
@@ -359,6 +384,18 @@ class RLWorker(TrainWorker):
             out[6] = float(vinfo.get("vf_clip_frac", 0.0)) * float(m.sum())
         return out
 
+    def _check_old(self, full, rows, R: int, old, m) -> None:
+        """Sums for the log-prob checks `prepare` would have fed compute_targets (trainer vs engine, KL to ref)."""
+        from posttrain_core.algorithms.rl import kl_estimate
+
+        gap = (full["rollout"][rows, :R] - old).abs() * m
+        self._old_checks[0] += float(gap.sum())
+        self._old_gap_max[0] = max(float(self._old_gap_max[0]), float(gap.max()) if gap.numel() else 0.0)
+        if full["ref"] is not None:
+            ref = full["ref"][rows, :R]
+            self._old_checks[1] += float((kl_estimate(old, ref, "k1") * m).sum())
+            self._old_checks[2] += float((kl_estimate(old, ref, "k3") * m).sum())
+
     def _autocast(self):
         import torch
 
@@ -385,6 +422,17 @@ class RLWorker(TrainWorker):
         torch.save(state, tmp)
         os.replace(tmp, out / STATE_FILE)
         return info
+
+
+def _dropout_active(model) -> bool:
+    """Whether a train-mode forward of `model` is stochastic (a Dropout module or a config dropout rate > 0)."""
+    import torch
+
+    if any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = [v for k, v in (vars(config).items() if config is not None else []) if "dropout" in k]
+    return any(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in rates)
 
 
 def _optim_settings(cfg: RLConfig, lr: float):

@@ -186,7 +186,7 @@ def compute_targets(
 
     width = max(1, max(len(r) for r in batch.response_ids))
     mask = pad([[float(x) for x in m] for m in batch.policy_mask], width)
-    old = pad(prepared["old_logp"], width)
+    old = pad(prepared["old_logp"], width) if prepared["old_logp"] is not None else None  # None: see need_old
     ref = pad(prepared["ref_logp"], width) if prepared["ref_logp"] else None
     values = pad(prepared["values"], width) if prepared["values"] else None
     scores = torch.tensor(batch.scores, dtype=torch.float32)
@@ -194,8 +194,9 @@ def compute_targets(
     rewards = A.token_level_scores(scores, mask)
     metrics: dict[str, float] = {}
     if ref is not None:
-        metrics["kl_k1"] = float(A.masked_mean(A.kl_estimate(old, ref, "k1"), mask))
-        metrics["kl_k3"] = float(A.masked_mean(A.kl_estimate(old, ref, "k3"), mask))
+        if old is not None:  # else the update reports them
+            metrics["kl_k1"] = float(A.masked_mean(A.kl_estimate(old, ref, "k1"), mask))
+            metrics["kl_k3"] = float(A.masked_mean(A.kl_estimate(old, ref, "k3"), mask))
         if cfg.kl_placement == "reward" and kl_coef > 0:
             rewards = rewards - kl_coef * A.kl_estimate(old, ref, cfg.kl_estimator) * mask
     elif cfg.kl_placement != "none" and kl_coef > 0:
@@ -220,11 +221,12 @@ def compute_targets(
     if values is not None and returns is None:  # value pretraining: Monte-Carlo (lambda = 1) targets
         _, returns = A.gae_advantages(rewards, values, mask, cfg.gamma, 1.0, whiten_advantages=False)
 
-    rollout_lp = pad(batch.rollout_logprobs, width)
-    gap = (rollout_lp - old).abs() * mask
+    if old is not None:  # else the update reports these from its own forward pass
+        gap = (pad(batch.rollout_logprobs, width) - old).abs() * mask
+        metrics.update(
+            logp_mismatch_mean=float(gap.sum() / mask.sum().clamp(min=1)), logp_mismatch_max=float(gap.max())
+        )
     metrics.update(
-        logp_mismatch_mean=float(gap.sum() / mask.sum().clamp(min=1)),
-        logp_mismatch_max=float(gap.max()),
         advantage_mean=float(A.masked_mean(adv, mask)),
         advantage_abs_mean=float(A.masked_mean(adv.abs(), mask)),
         zero_advantage_frac=float(((adv.abs() < 1e-8).float() * mask).sum() / mask.sum().clamp(min=1)),
@@ -276,11 +278,12 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
         t1 = time.time()
         batch_ref = ray.put(batch)
         shards = split(list(range(len(batch))), cfg.num_workers)
-        parts = ray.get([a.prepare.remote(batch_ref, s) for a, s in zip(group.actors, shards, strict=False)])
-        prepared: dict[str, list] = {"old_logp": [], "ref_logp": [], "values": []}
+        need_old = _needs_old_pass(job, cfg, epochs)
+        parts = ray.get([a.prepare.remote(batch_ref, s, need_old) for a, s in zip(group.actors, shards, strict=False)])
+        prepared: dict[str, Any] = {"old_logp": [], "ref_logp": [], "values": []}
         for part in parts:  # shards are contiguous and in rank order
             for k in prepared:
-                prepared[k] += part[k]
+                prepared[k] = None if part[k] is None or prepared[k] is None else prepared[k] + part[k]
         targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs)
         t2 = time.time()
         result = group.run("update", batch_ref, targets)[0]
@@ -293,6 +296,21 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
     # start-up (actors, process group, model loading) vs the work: old/ref log-probs + advantages, then the update
     target_metrics.update(startup_s=t1 - t0, prepare_s=t2 - t1, train_s=time.time() - t2)
     return result, target_metrics
+
+
+OLD_PASS_ENV = "POSTTRAIN_RL_OLD_LOGP_PASS"  # "1": always compute old log-probs in a pass of their own
+
+
+def _needs_old_pass(job: RLJob, cfg: RLConfig, epochs: int) -> bool:
+    """Whether `prepare` must compute the old log-probs in a forward pass of their own.
+
+    Not when the update takes a single optimizer step on the batch (1 epoch x 1 mini-batch) and nothing before the
+    update reads them (no KL in the reward, no adaptive KL): the update's first forward then runs with the very
+    weights that sampled the batch, so old = its log-probs, detached (TRL does the same when num_iterations=1).
+    """
+    if os.environ.get(OLD_PASS_ENV) == "1" or not job.train_policy:
+        return True
+    return not (epochs * cfg.mini_batches == 1 and cfg.kl_placement != "reward" and cfg.kl_target is None)
 
 
 # ------------------------------------------------------------------------------------- warm update workers
