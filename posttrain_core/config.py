@@ -241,7 +241,10 @@ class RLConfig(_Config):
     algorithm: Algorithm = Field("grpo", description="RL algorithm (see ALGORITHMS.md)")
     num_workers: int = Field(2, ge=1, description="Ray workers (torch.distributed data-parallel ranks)")
     # lr and mini_batches default to what the embedded 0.8M-parameter demo model learns with; LLMs want lr ~1e-6
-    lr: float = Field(5e-4, gt=0, description="policy learning rate (AdamW, constant after warm-up)")
+    # 1e-4, not 5e-4: from the demo's SFT model (held-out 0.52) the first GRPO update at 5e-4 moved the policy by
+    # approx_kl 1.50 (Adam's early steps move every weight by ~lr whatever the gradient) and the training reward fell
+    # 0.51 -> 0.12; at 1e-4 the first update's approx_kl was 0.006 (bench/rl_bench.py, 2026-12-03).
+    lr: float = Field(1e-4, gt=0, description="policy learning rate (AdamW, constant after warm-up)")
     critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (PPO, VAPO)")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up in optimizer steps, counted across iterations")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
