@@ -105,9 +105,11 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
     return ids, labels, mask
 
 
-# What one extra forward/backward pass costs, in padded tokens of work (fixed per-call overhead on CPU). It keeps
-# `micro_batches` from cutting a step into many tiny passes to save a few padding tokens.
-MICRO_BATCH_OVERHEAD_TOKENS = 32
+# What one extra forward/backward pass costs, in padded tokens of work. It keeps `micro_batches` from cutting a step
+# into many small passes to save a few padding tokens. Seen on 2 CPU cores (bench/NOTES.md): ~10 ms a pass (~10
+# tokens) with a core to each thread, but seconds when other jobs share the cores (every op then waits for its
+# second OpenMP thread); 128 keeps ~2/3 of the padding saving with ~2 passes per step of the benchmark's data.
+MICRO_BATCH_OVERHEAD_TOKENS = 128
 
 
 def micro_batches(rows: list[int], lengths: list[int], max_rows: int) -> list[list[int]]:
