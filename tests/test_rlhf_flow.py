@@ -87,6 +87,9 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        # Fresh update workers in the killed run: their start-up (seconds) is the window the kill lands in; with
+        # warm workers iteration 2's tiny update can finish within the poll interval. The rerun uses the default.
+        "POSTTRAIN_WARM_RL_WORKERS": "0",
     }
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
@@ -96,7 +99,7 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     deadline = time.time() + 600
     try:
         # The kill comes once Prefect has finished iteration 2's score task (its cache record is written), while
-        # the update runs (its Ray start-up alone takes seconds). A kill between a stage's publish and the end of
+        # the update starts its workers. A kill between a stage's publish and the end of
         # its task is survived too, but the rerun then shows that task as Completed (a store hit), not Cached.
         while "Task run 'score[iter=2]' - Finished in state Completed()" not in (tmp_path / "killed.log").read_text():
             assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
