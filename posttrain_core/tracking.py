@@ -196,11 +196,25 @@ def _ended(c, run_id: str) -> Iterator[None]:
     try:
         yield
         status = "FINISHED"
-    except Exception:
-        status = "FAILED"
+    except Exception as err:
+        status = "KILLED" if _interrupted(err) else "FAILED"
         raise
     finally:
         c.set_terminated(run_id, status)
+
+
+def _interrupted(err: BaseException) -> bool:
+    """True when an error was raised by a cancellation: a termination signal delivered while Ray's Cython code ran
+    surfaces as `SystemError(... returned a result with an exception set)` whose context is the signal's exception
+    (Prefect's TerminationSignal, KeyboardInterrupt, SystemExit)."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if not isinstance(cause, Exception):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 @contextlib.contextmanager

@@ -45,3 +45,21 @@ def test_runs_of_a_killed_process_are_marked_killed():
     assert _status(alive) == "RUNNING"  # this process is alive: its run is left alone
     c.set_terminated(alive)
 
+
+def test_an_error_raised_by_a_cancellation_ends_killed():
+    """A termination signal that lands inside Ray's Cython code surfaces as a SystemError whose context is the
+    signal's exception (seen with `prefect flow-run cancel` during ray.wait): a cancellation, not a failure."""
+    ids = {}
+    with pytest.raises(SystemError):
+        with tracking.flow_run(None, "status-test", "flow") as run:
+            ids["flow"] = run.run_id
+            try:
+                raise KeyboardInterrupt  # stands for Prefect's TerminationSignal (a BaseException)
+            except KeyboardInterrupt:
+                raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set")  # noqa: B904
+    assert _status(ids["flow"]) == "KILLED"
+    with pytest.raises(SystemError):
+        with tracking.flow_run(None, "status-test", "flow") as run:
+            ids["plain"] = run.run_id
+            raise SystemError("a real error")
+    assert _status(ids["plain"]) == "FAILED"
