@@ -14,6 +14,19 @@ import sys
 import time
 
 
+def _optimizer_args(spec: dict) -> dict:
+    """The optimizer settings both TRL trainers share with posttrain's side: constant lr, AdamW(0.9, 0.95), clip 1."""
+    return dict(
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+    )
+
+
 def _threads(spec: dict) -> None:
     import torch
 
@@ -64,13 +77,7 @@ def run_sft(spec: dict) -> dict:
         max_steps=spec["steps"],
         per_device_train_batch_size=spec["per_device_batch"],
         gradient_accumulation_steps=1,
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        max_grad_norm=1.0,
+        **_optimizer_args(spec),
         max_length=spec["max_len"],
         packing=False,
         padding_free=False,
@@ -127,13 +134,7 @@ def run_grpo(spec: dict) -> dict:
         beta=spec["kl_coef"],
         epsilon=0.2,
         loss_type="dapo",  # token-mean over the batch: posttrain's grpo preset
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        max_grad_norm=1.0,
+        **_optimizer_args(spec),
         shuffle_dataset=False,
         logging_steps=10**6,
         save_strategy="no",
