@@ -60,14 +60,15 @@ def resolve_model(store: ArtifactStore, spec: str, field: str = "models") -> Art
     """
     if spec.startswith(LATEST):
         stage = spec[len(LATEST) :]
-        found = [r for r in store.list("model") if store.manifest(r).get("stage") == stage]
+        manifests = [(ref, store.manifest(ref)) for ref in store.list("model")]  # one read of each manifest
+        found = [(m.get("created", ""), ref) for ref, m in manifests if m.get("stage") == stage]
         if not found:
-            stages = sorted({store.manifest(r).get("stage", "?") for r in store.list("model")})
+            stages = sorted({m.get("stage", "?") for _, m in manifests})
             raise LookupError(
                 f"{field}: {spec!r}: no model published by stage {stage!r} in {store.root} "
                 f"(stages with models: {', '.join(stages) or 'none'}; run a training flow first)"
             )
-        return max(found, key=lambda r: store.manifest(r).get("created", ""))
+        return max(found, key=lambda pair: pair[0])[1]
     matches = [r for r in store.list() if r.key.startswith(spec)] if len(spec) >= 6 else []
     if len(matches) == 1:
         if matches[0].kind != "model":
