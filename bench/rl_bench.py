@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--prompts", type=int, default=256, help="prompts per iteration")
     p.add_argument("--n", type=int, default=16, help="samples per prompt")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--lr", type=float, default=None, help="policy learning rate (default: RLConfig's)")
     p.add_argument("--critic-lr", type=float, default=None)
     p.add_argument("--workers", type=int, default=2)

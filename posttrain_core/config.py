@@ -37,7 +37,12 @@ class DataConfig(_Config):
     )
     n_train: int = Field(6000, ge=1, description="synthetic training problems")
     n_eval: int = Field(200, ge=1, description="held-out evaluation prompts (never seen in training)")
-    max_digits: int = Field(2, ge=1, le=6, description="synthetic arithmetic: digits per operand")
+    max_digits: int = Field(2, ge=1, le=6, description="synthetic arithmetic: most digits per operand")
+    worked_solutions: bool = Field(
+        True,
+        description="synthetic arithmetic: SFT answers work the sum column by column before 'The answer is N' "
+        "(the tiny demo model learns the steps; on bare answers it stays near chance)",
+    )
     seed: int = Field(0, description="seed of the synthetic generator and of the held-out split")
 
 
@@ -125,7 +130,9 @@ class EvalConfig(_Config):
     """Greedy generation on held-out prompts, scored by a verifier."""
 
     verifier: Literal["exact_match", "numeric"] = Field("exact_match", description="how answers are checked")
-    max_new_tokens: int = Field(16, ge=1, description="generated tokens per prompt")
+    max_new_tokens: int = Field(
+        32, ge=1, description="generated tokens per prompt (the demo's worked arithmetic takes up to 29)"
+    )
     batch_size: int = Field(64, ge=1, description="prompts per generate call")
     num_workers: int = Field(2, ge=1, description="Ray tasks generating in parallel")
     max_prompts: int | None = Field(None, ge=1, description="evaluate only the first N prompts")
@@ -339,7 +346,7 @@ class RLHFFlowConfig(_Config):
     iterations: int = Field(8, ge=1, description="RL iterations of rollout -> score -> update")
     rollout: RolloutConfig = Field(
         # 4,096 samples per iteration: with 1,024 the tiny demo model's updates were mostly noise (see README)
-        default_factory=lambda: RolloutConfig(n=16, max_prompts=256, max_tokens=16),
+        default_factory=lambda: RolloutConfig(n=16, max_prompts=256, max_tokens=32),
         description="sampling; max_prompts = prompts per iteration, taken in turn from the training prompts",
     )
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="rewards")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,6 +23,8 @@ from posttrain_core.data.synthetic import (
     sft_table,
     split_train_eval,
     text_table,
+    worked_solution,
+    wrong_solution,
 )
 
 
@@ -329,6 +332,55 @@ def test_problem_answers_are_right():
             assert p.answer == " ".join(reversed(letters))
 
 
+def test_operand_lengths_are_mixed():
+    lengths = Counter()
+    for p in make_problems(families=("arithmetic",), n=600, seed=5):
+        a, op, b = p.question.removeprefix("What is ").removesuffix("?").split()
+        if op != "*":
+            lengths[len(a), len(b)] += 1
+    # the length of each operand is drawn first: short and long operands are both common (not 90% two-digit)
+    assert set(lengths) == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert min(lengths[1, 2], lengths[2, 1], lengths[2, 2]) > 60
+
+
+@pytest.mark.parametrize(
+    "question, solution",
+    [("What is 37 + 45?", "7 + 5 = 12, 3 + 4 + 1 = 8. The answer is 82"),
+     ("What is 57 + 95?", "7 + 5 = 12, 5 + 9 + 1 = 15. The answer is 152"),
+     ("What is 8 + 9?", "8 + 9 = 17, 0 + 0 + 1 = 1. The answer is 17"),
+     ("What is 52 - 17?", "12 - 7 = 5, 5 - 1 - 1 = 3. The answer is 35"),
+     ("What is 40 - 3?", "10 - 3 = 7, 4 - 0 - 1 = 3. The answer is 37"),
+     ("What is 16 - 16?", "6 - 6 = 0, 1 - 1 = 0. The answer is 0"),
+     ("What is 7 * 8?", "7 * 8 = 56. The answer is 56")],
+)  # fmt: skip
+def test_worked_solution_examples(question, solution):
+    assert worked_solution(question, max_digits=2) == solution
+
+
+def test_worked_solutions_are_right_step_by_step():
+    for max_digits in (1, 2, 3):
+        for p in make_problems(families=("arithmetic",), n=200, seed=2, max_digits=max_digits):
+            steps, final = p.solution.split(". The answer is ")
+            assert final == p.answer and exact_match(p.solution, p.answer)["correct"]
+            for step in steps.split(", "):
+                left, right = step.split(" = ")
+                assert eval(left) == int(right), (p.question, step)  # noqa: S307 - our own generated text
+    bare = make_problems(n=20, worked=False)
+    assert all(p.solution == p.answer for p in bare)
+    assert [p.question for p in bare] == [p.question for p in make_problems(n=20)]
+
+
+def test_wrong_solution_keeps_the_steps_and_changes_the_answer():
+    import random
+
+    rng = random.Random(0)
+    for p in make_problems(n=100, seed=4):
+        wrong = wrong_solution(p, rng)
+        assert wrong != p.solution and not exact_match(wrong, p.answer)["correct"]
+        if p.family == "arithmetic":
+            assert wrong.rsplit(" ", 1)[0] == p.solution.rsplit(" ", 1)[0]
+
+
 def test_split_is_disjoint():
     problems = make_problems(n=200)
     train, evals = split_train_eval(problems, n_eval=50, seed=0)
@@ -340,7 +392,7 @@ def test_split_is_disjoint():
 def test_tables_are_valid():
     problems = make_problems(n=40)
     assert prompts_table(problems).num_rows == 40
-    assert sft_table(problems).column("messages")[0].as_py()[1] == {"role": "assistant", "content": problems[0].answer}
+    assert sft_table(problems).column("messages")[0].as_py()[1] == {"role": "assistant", "content": problems[0].solution}
     assert text_table(problems).num_rows >= 40
     prefs = preferences_table(problems, seed=0).to_pylist()
     assert all(r["chosen"] != r["rejected"] for r in prefs)

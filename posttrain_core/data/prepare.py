@@ -101,7 +101,8 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
         }
     else:
         problems = synthetic.make_problems(
-            families=tuple(cfg.families), n=cfg.n_train + cfg.n_eval, seed=cfg.seed, max_digits=cfg.max_digits
+            families=tuple(cfg.families), n=cfg.n_train + cfg.n_eval, seed=cfg.seed, max_digits=cfg.max_digits,
+            worked=cfg.worked_solutions,
         )
         train, held = synthetic.split_train_eval(problems, cfg.n_eval, cfg.seed)
         tables = {

@@ -1,6 +1,8 @@
 """Synthetic tasks with verifiable answers (arithmetic, letter reversal), deterministic from a seed, and verifiers.
 
 They feed every stage of the demo pipeline: tokenizer corpus, pretraining text, SFT, preferences, RL prompts, eval.
+Arithmetic solutions are worked column by column before "The answer is N" (a short chain of thought): a 0.8M-parameter
+model learns the steps from a few thousand examples, where it stays near chance on bare answers (README, "RL").
 """
 
 from __future__ import annotations
@@ -40,12 +42,20 @@ class Problem:
     family: str
     question: str
     answer: str
+    solution: str  # what the assistant says in the SFT data: the answer, or worked steps ending in it
+
+
+def _operand(rng: random.Random, max_digits: int) -> int:
+    digits = rng.randint(1, max_digits)  # the length first, then the value: short operands are as common as long
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
 def _arithmetic(rng: random.Random, max_digits: int) -> tuple[str, str]:
     op = rng.choice("+-*")
-    hi = 9 if op == "*" else 10**max_digits - 1  # products of single digits keep the task learnable
-    a, b = rng.randint(0, hi), rng.randint(0, hi)
+    if op == "*":
+        a, b = rng.randint(0, 9), rng.randint(0, 9)  # products of single digits keep the task learnable
+    else:
+        a, b = _operand(rng, max_digits), _operand(rng, max_digits)
     if op == "-" and a < b:
         a, b = b, a  # non-negative results only
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
@@ -64,9 +74,38 @@ _GENERATORS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
     "reverse": _reverse,
 }
 
+ANSWER_PREFIX = "The answer is "
+
+
+def worked_solution(question: str, max_digits: int) -> str:
+    """The arithmetic question's solution worked column by column, units first, ending in "The answer is N".
+
+    Every + and - has `max_digits` columns (short operands padded with 0), so each step sits at the same place:
+        37 + 45 -> "7 + 5 = 12, 3 + 4 + 1 = 8. The answer is 82"
+        52 - 17 -> "12 - 7 = 5, 5 - 1 - 1 = 3. The answer is 35"   (a borrow shows as 10 + digit, then - 1)
+        7 * 8   -> "7 * 8 = 56. The answer is 56"                   (single digits: one fact)
+    """
+    x, op, y = question.removeprefix("What is ").removesuffix("?").split()
+    a, b = int(x), int(y)
+    if op == "*":
+        return f"{a} * {b} = {a * b}. {ANSWER_PREFIX}{a * b}"
+    steps, carry = [], 0
+    for i in range(max(max_digits, len(x), len(y))):
+        da, db = a // 10**i % 10, b // 10**i % 10
+        if op == "+":
+            total = da + db + carry
+            steps.append(f"{da} + {db}{' + 1' if carry else ''} = {total}")
+            carry = total // 10
+        else:
+            borrow = int(da - carry < db)
+            steps.append(f"{da + 10 * borrow} - {db}{' - 1' if carry else ''} = {da + 10 * borrow - db - carry}")
+            carry = borrow
+    value = a + b if op == "+" else a - b
+    return f"{', '.join(steps)}. {ANSWER_PREFIX}{value}"
+
 
 def make_problems(
-    families: Sequence[str] = FAMILIES, n: int = 1000, seed: int = 0, max_digits: int = 2
+    families: Sequence[str] = FAMILIES, n: int = 1000, seed: int = 0, max_digits: int = 2, worked: bool = True
 ) -> list[Problem]:
     """n problems with distinct questions, round-robin over `families`, the same for the same arguments.
 
@@ -77,7 +116,9 @@ def make_problems(
         families: names from `FAMILIES`.
         n: how many problems in all.
         seed: the random seed.
-        max_digits: most digits of an arithmetic operand (+ and -; * always uses single digits).
+        max_digits: most digits of an arithmetic operand (+ and -; * always uses single digits). Each operand's
+            length is drawn uniformly from 1..max_digits, then its value among the numbers of that length.
+        worked: arithmetic solutions show their column-by-column steps (`worked_solution`); False: the bare answer.
     """
     unknown = [f for f in families if f not in _GENERATORS]
     if unknown or not families:
@@ -97,7 +138,8 @@ def make_problems(
         else:
             raise ValueError(f"family {family!r} ran out of distinct questions after {counts[family]} (raise max_digits)")
         seen.add(question)
-        problems.append(Problem(f"{family}-{counts[family]:05d}", family, question, answer))
+        solution = worked_solution(question, max_digits) if worked and family == "arithmetic" else answer
+        problems.append(Problem(f"{family}-{counts[family]:05d}", family, question, answer, solution))
         counts[family] += 1
     return problems
 
@@ -141,11 +183,11 @@ def prompts_table(problems: Sequence[Problem]) -> pa.Table:
 
 
 def sft_table(problems: Sequence[Problem]) -> pa.Table:
-    """An `sft` table: [user question, assistant answer] per problem (plus prompt_id)."""
+    """An `sft` table: [user question, assistant solution] per problem (plus prompt_id)."""
     return validate_table(
         pa.table(
             {
-                "messages": [_user(p.question) + _assistant(p.answer) for p in problems],
+                "messages": [_user(p.question) + _assistant(p.solution) for p in problems],
                 "prompt_id": [p.prompt_id for p in problems],
             }
         ),
@@ -155,7 +197,7 @@ def sft_table(problems: Sequence[Problem]) -> pa.Table:
 
 
 def _qa_line(p: Problem) -> str:
-    return f"Q: {p.question} A: {p.answer}"
+    return f"Q: {p.question} A: {p.solution}"
 
 
 def text_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
@@ -190,15 +232,23 @@ def wrong_answer(problem: Problem, rng: random.Random) -> str:
     return " ".join(letters)
 
 
+def wrong_solution(problem: Problem, rng: random.Random) -> str:
+    """The solution with its final answer replaced by `wrong_answer` (worked steps kept: the slip is at the end)."""
+    wrong = wrong_answer(problem, rng)
+    if problem.solution != problem.answer and problem.solution.endswith(ANSWER_PREFIX + problem.answer):
+        return problem.solution[: -len(problem.answer)] + wrong
+    return wrong
+
+
 def preferences_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
-    """A `preferences` table: prompt [user question], chosen [right answer], rejected [a plausible wrong one]."""
+    """A `preferences` table: prompt [user question], chosen [right solution], rejected [a plausible wrong one]."""
     rng = random.Random(seed)
     return validate_table(
         pa.table(
             {
                 "prompt": [_user(p.question) for p in problems],
-                "chosen": [_assistant(p.answer) for p in problems],
-                "rejected": [_assistant(wrong_answer(p, rng)) for p in problems],
+                "chosen": [_assistant(p.solution) for p in problems],
+                "rejected": [_assistant(wrong_solution(p, rng)) for p in problems],
                 "prompt_id": [p.prompt_id for p in problems],
             }
         ),
@@ -208,10 +258,10 @@ def preferences_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
 
 
 def corpus_for_tokenizer(problems: Sequence[Problem]) -> list[str]:
-    """Texts to train a tokenizer on: questions, answers, the pretraining lines, filler, and the chat role names."""
+    """Texts to train a tokenizer on: questions, solutions, the pretraining lines, filler, and the chat role names."""
     return (
         [p.question for p in problems]
-        + [p.answer for p in problems]
+        + [p.solution for p in problems]
         + [_qa_line(p) for p in problems]
         + list(FILLER_SENTENCES)
         + ["system\n", "user\n", "assistant\n", "tool\n"]
