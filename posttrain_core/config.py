@@ -37,6 +37,20 @@ class DataConfig(_Config):
     )
     n_train: int = Field(6000, ge=1, description="synthetic training problems")
     n_eval: int = Field(200, ge=1, description="held-out evaluation prompts (never seen in training)")
+    slip_rate: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="synthetic arithmetic: fraction of the SFT (and pretraining) solutions with one slipped step "
+        "carried through to a wrong final answer, as in imperfect human- or model-written demonstrations. SFT "
+        "imitates the slips; RL against the exact verifier removes them (0: clean demonstrations)",
+    )
+    n_rl_prompts: int = Field(
+        4096,
+        ge=0,
+        description="synthetic RL prompts, distinct from the SFT problems and the held-out ones (0: RL samples the "
+        "SFT problems again)",
+    )
     max_digits: int = Field(2, ge=1, le=6, description="synthetic arithmetic: most digits per operand")
     worked_solutions: bool = Field(
         True,

@@ -23,6 +23,7 @@ from posttrain_core.data.synthetic import (
     sft_table,
     split_train_eval,
     text_table,
+    with_slips,
     worked_solution,
     wrong_solution,
 )
@@ -370,6 +371,36 @@ def test_worked_solutions_are_right_step_by_step():
     assert [p.question for p in bare] == [p.question for p in make_problems(n=20)]
 
 
+@pytest.mark.parametrize(
+    "question, slip, solution",
+    [("What is 37 + 45?", (0, 1), "7 + 5 = 13, 3 + 4 + 1 = 8. The answer is 83"),
+     ("What is 37 + 45?", (1, -1), "7 + 5 = 12, 3 + 4 + 1 = 7. The answer is 72"),
+     ("What is 38 + 41?", (0, 1), "8 + 1 = 10, 3 + 4 + 1 = 8. The answer is 80"),  # the slip makes a carry
+     ("What is 52 - 17?", (0, 1), "12 - 7 = 6, 5 - 1 - 1 = 3. The answer is 36"),
+     ("What is 59 - 10?", (0, 1), "9 - 0 = 8, 5 - 1 = 4. The answer is 48"),  # 10 is out of range: the other way
+     ("What is 7 * 8?", (0, -1), "7 * 8 = 55. The answer is 55")],
+)  # fmt: skip
+def test_worked_solution_with_a_slip(question, slip, solution):
+    assert worked_solution(question, max_digits=2, slip=slip) == solution
+
+
+def test_slipped_demonstrations_are_consistent_and_keep_the_true_answer():
+    problems = make_problems(n=1000, seed=6)
+    shown = with_slips(problems, 0.25, max_digits=2, seed=6)
+    assert [p.answer for p in shown] == [p.answer for p in problems]  # what the verifier checks stays right
+    slipped = [s for p, s in zip(problems, shown) if s.solution != p.solution]
+    assert all(s.family == "arithmetic" for s in slipped)
+    assert 0.18 < len(slipped) / 500 < 0.32
+    for s in slipped:  # one step off by one, the rest (carries, final answer) follows from it
+        steps, final = s.solution.split(". The answer is ")
+        assert final != s.answer and abs(int(final) - int(s.answer)) in (1, 10, 100)
+        wrong = [step for step in steps.split(", ") if eval(step.split(" = ")[0]) != int(step.split(" = ")[1])]  # noqa: S307
+        assert len(wrong) == 1, s
+    assert with_slips(problems, 0.25, 2, seed=6) == shown and with_slips(problems, 0.0, 2) == problems
+    with pytest.raises(ValueError, match="slip rate"):
+        with_slips(problems, 1.5, 2)
+
+
 def test_wrong_solution_keeps_the_steps_and_changes_the_answer():
     import random
 
@@ -434,3 +465,23 @@ def test_regex_format_and_registry():
     assert regex_format("82", r"^A: \d+$") == {"reward": 0.0, "correct": False, "parse_failed": False}
     assert regex_format(None, r".*")["parse_failed"]
     assert set(VERIFIERS) == {"exact_match", "numeric", "regex"}
+
+
+@pytest.mark.parametrize("n_rl", [0, 300])
+def test_prepared_rl_prompts_are_their_own_problems(n_rl):
+    from posttrain_core.config import DataConfig
+    from posttrain_core.data.prepare import build_tables
+
+    tables = build_tables(DataConfig(n_train=500, n_eval=40, n_rl_prompts=n_rl))
+    questions = {
+        name: {m[0]["content"] for m in tables[name][0].column(col).to_pylist()}
+        for name, col in (("sft", "messages"), ("eval", "messages"), ("prompts", "messages"))
+    }
+    assert len(questions["sft"]) == 500 and len(questions["eval"]) == 40
+    assert not questions["eval"] & (questions["sft"] | questions["prompts"])
+    if n_rl:  # RL trains on problems SFT never showed, like the held-out ones
+        assert len(questions["prompts"]) == n_rl and not questions["prompts"] & questions["sft"]
+        families = Counter(json.loads(m)["family"] for m in tables["prompts"][0].column("meta").to_pylist())
+        assert families == {"arithmetic": 150, "reverse": 150}
+    else:
+        assert questions["prompts"] == questions["sft"]

@@ -1,8 +1,8 @@
 """The prepare_data stage: synthetic task or user files -> validated Arrow dataset artifacts in the store.
 
 Outputs (one artifact each): `sft` (training chats), `eval` (held-out prompts with answers), `text` (raw text for
-continued pretraining), `prompts` (the training problems as prompts with answers, for RL) and, for the synthetic
-task, `preferences` (right vs wrong answers, for RM/DPO).
+continued pretraining), `prompts` (RL prompts with answers: for the synthetic task problems of their own, for a
+user's file its training chats) and, for the synthetic task, `preferences` (right vs wrong answers, for RM/DPO).
 """
 
 from __future__ import annotations
@@ -101,15 +101,22 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
         }
     else:
         problems = synthetic.make_problems(
-            families=tuple(cfg.families), n=cfg.n_train + cfg.n_eval, seed=cfg.seed, max_digits=cfg.max_digits,
+            families=tuple(cfg.families),
+            n=cfg.n_train + cfg.n_eval + cfg.n_rl_prompts,
+            seed=cfg.seed,
+            max_digits=cfg.max_digits,
             worked=cfg.worked_solutions,
         )
         train, held = synthetic.split_train_eval(problems, cfg.n_eval, cfg.seed)
+        # RL prompts of their own (the last ones: families stay interleaved), as RL prompt sets usually are: the
+        # policy is then trained on problems it has not memorised answers to, like the held-out ones.
+        train, rl = (train[: cfg.n_train], train[cfg.n_train :]) if cfg.n_rl_prompts else (train, train)
+        shown = synthetic.with_slips(train, cfg.slip_rate, cfg.max_digits, cfg.seed)  # the demonstrations
         tables = {
-            "sft": (synthetic.sft_table(train), "sft"),
+            "sft": (synthetic.sft_table(shown), "sft"),
             "eval": (synthetic.prompts_table(held), "prompts"),
-            "text": (synthetic.text_table(train, cfg.seed), "text"),
-            "prompts": (synthetic.prompts_table(train), "prompts"),
+            "text": (synthetic.text_table(shown, cfg.seed), "text"),
+            "prompts": (synthetic.prompts_table(rl), "prompts"),
             "preferences": (synthetic.preferences_table(train, cfg.seed), "preferences"),
         }
     for name, (table, kind) in tables.items():

@@ -7,6 +7,7 @@ model learns the steps from a few thousand examples, where it stays near chance 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -77,31 +78,63 @@ _GENERATORS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
 ANSWER_PREFIX = "The answer is "
 
 
-def worked_solution(question: str, max_digits: int) -> str:
+def worked_solution(question: str, max_digits: int, slip: tuple[int, int] | None = None) -> str:
     """The arithmetic question's solution worked column by column, units first, ending in "The answer is N".
 
     Every + and - has `max_digits` columns (short operands padded with 0), so each step sits at the same place:
         37 + 45 -> "7 + 5 = 12, 3 + 4 + 1 = 8. The answer is 82"
         52 - 17 -> "12 - 7 = 5, 5 - 1 - 1 = 3. The answer is 35"   (a borrow shows as 10 + digit, then - 1)
         7 * 8   -> "7 * 8 = 56. The answer is 56"                   (single digits: one fact)
+
+    Args:
+        slip: (column, +1 or -1): that column's result is written off by one and the rest of the solution follows
+            from it, carries and final answer included (37 + 45 with (0, +1): "7 + 5 = 13, 3 + 4 + 1 = 8. The
+            answer is 83"): a consistent worked solution with one arithmetic slip, as imperfect demonstrations
+            have. A result that would leave its range (below 0; above 9 for a borrow column) moves the other way.
     """
     x, op, y = question.removeprefix("What is ").removesuffix("?").split()
     a, b = int(x), int(y)
+    col, delta = slip or (-1, 0)
     if op == "*":
-        return f"{a} * {b} = {a * b}. {ANSWER_PREFIX}{a * b}"
-    steps, carry = [], 0
-    for i in range(max(max_digits, len(x), len(y))):
+        value = a * b + (delta if col == 0 and a * b + delta >= 0 else -delta)
+        return f"{a} * {b} = {value}. {ANSWER_PREFIX}{value}"
+    steps, carry, value = [], 0, 0
+    columns = max(max_digits, len(x), len(y))
+    for i in range(columns):
         da, db = a // 10**i % 10, b // 10**i % 10
         if op == "+":
             total = da + db + carry
+            total += (delta if total + delta >= 0 else -delta) if i == col else 0
             steps.append(f"{da} + {db}{' + 1' if carry else ''} = {total}")
+            value += (total if i == columns - 1 else total % 10) * 10**i
             carry = total // 10
         else:
             borrow = int(da - carry < db)
-            steps.append(f"{da + 10 * borrow} - {db}{' - 1' if carry else ''} = {da + 10 * borrow - db - carry}")
+            result = da + 10 * borrow - db - carry
+            result += (delta if 0 <= result + delta <= 9 else -delta) if i == col else 0
+            steps.append(f"{da + 10 * borrow} - {db}{' - 1' if carry else ''} = {result}")
+            value += result * 10**i
             carry = borrow
-    value = a + b if op == "+" else a - b
     return f"{', '.join(steps)}. {ANSWER_PREFIX}{value}"
+
+
+def with_slips(problems: Sequence[Problem], rate: float, max_digits: int, seed: int = 0) -> list[Problem]:
+    """`problems` where a `rate` fraction of the worked arithmetic solutions carry one slip (`worked_solution`).
+
+    The `answer` (what verifiers check) stays right: only the demonstration is wrong. Which problems slip, in which
+    column and which way is a function of (seed, prompt_id), so a problem slips the same way in every dataset.
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"slip rate must be within [0, 1], got {rate}")
+    out = []
+    for p in problems:
+        rng = random.Random(f"{seed}-slip-{p.prompt_id}")
+        if p.family == "arithmetic" and p.solution != p.answer and rng.random() < rate:
+            columns = 1 if "*" in p.question else max(max_digits, *(len(t) for t in p.question.split()[2::2]))
+            slip = (rng.randrange(columns), rng.choice((-1, 1)))
+            p = dataclasses.replace(p, solution=worked_solution(p.question, max_digits, slip))
+        out.append(p)
+    return out
 
 
 def make_problems(
