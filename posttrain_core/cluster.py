@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from posttrain_core.env import apply_defaults
@@ -80,23 +80,33 @@ class WorkerGroup:
         addr, port = ray.get(self.actors[0].rendezvous.remote())
         self.run("setup", addr, port)
 
-    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def run(
+        self, method: str, *args: Any, poll: Callable[[], Any] | None = None, poll_s: float = 2.0, **kwargs: Any
+    ) -> list[Any]:
         """Call `method` on every actor; return the results in rank order.
 
         If any actor fails or dies, the others are killed at once (a peer blocked in a collective would otherwise
-        wait for the gloo timeout) and the first error is raised.
+        wait for the gloo timeout) and the first error is raised. `poll` (e.g. `MetricsRelay.pump`) is called
+        every `poll_s` seconds while the actors work, and once more when they are done or have failed.
         """
         import ray
 
         refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
         pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(done[0])
-            except Exception:
-                self.shutdown()
-                raise
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=poll_s if poll else None)
+                if not done:
+                    poll()
+                    continue
+                try:
+                    ray.get(done[0])
+                except Exception:
+                    self.shutdown()
+                    raise
+        finally:
+            if poll:
+                poll()
         return ray.get(refs)
 
     def shutdown(self) -> None:

@@ -120,8 +120,9 @@ def test_stale_rollouts_are_refused(sampled, tiny_inputs):
     assert len(store.list()) == n_before
 
 
-def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
-    """Same inputs: a cache hit. The next update (on the new policy's own samples) continues its optimizer state."""
+def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs, monkeypatch):
+    """Same inputs: a cache hit. The next update (on the new policy's own samples) continues its optimizer state,
+    from the warm workers' memory, with the same bits as when everything is reloaded from the artifact."""
     import torch
 
     from posttrain_core.config import RLConfig, RolloutConfig
@@ -140,8 +141,16 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
 
     rollout_cfg = RolloutConfig(n=4, max_prompts=6, max_tokens=6, num_engines=1, batch_size=8, seed=4)
     again = run_rollout(rollout_cfg, tiny_inputs[1].prompts, a, store)
-    b = run_rl_update(cfg, [_scored_with(store, again, lambda k: float(k == 1), "second")], a, base, store)
-    assert store.manifest(b)["metrics"]["optimizer_steps"] == 2
+    second = _scored_with(store, again, lambda k: float(k == 1), "second")
+    b = run_rl_update(cfg, [second], a, base, store)
+    metrics = store.manifest(b)["metrics"]
+    assert metrics["optimizer_steps"] == 2 and metrics["continued_in_memory"] == 1.0
+
+    store.delete(b.key)  # the same update by fresh workers that load policy, reference and optimizer from `a`
+    monkeypatch.setenv("POSTTRAIN_WARM_RL_WORKERS", "0")
+    reloaded = run_rl_update(cfg, [second], a, base, store)
+    assert store.manifest(reloaded)["metrics"]["continued_in_memory"] == 0.0
+    assert reloaded.digest == b.digest  # policy weights, Adam moments and step: identical
 
 
 def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tiny_inputs, vllm_or_skip):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from posttrain_core.config import TrainConfig
-from posttrain_core.tracking import RunLogger
+from posttrain_core.tracking import MetricsFile
 
 IGNORE = -100
 
@@ -33,7 +33,7 @@ class TrainJob:
     base_path: str
     workdir: str
     outdir: str
-    tracker: RunLogger | None = None
+    tracker: MetricsFile | None = None  # rank 0 appends step metrics; the driver relays them to MLflow
     fail_after_step: int | None = None  # fault injection for tests: rank 0 exits after this step's checkpoint
     stage: str = "train"
 

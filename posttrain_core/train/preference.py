@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.config import DPOConfig, RewardModelConfig
 from posttrain_core.stage import StageContext, StageOutput, key_for, run_stage
-from posttrain_core.tracking import RunLogger
+from posttrain_core.tracking import MetricsFile, MetricsRelay
 from posttrain_core.train.loop import (
     IGNORE,
     TrainWorker,
@@ -67,7 +67,7 @@ class PreferenceJob:
     model_path: str  # RM: the causal-LM backbone; DPO: the policy
     workdir: str
     outdir: str
-    tracker: RunLogger | None = None
+    tracker: MetricsFile | None = None  # rank 0 appends step metrics; the driver relays them to MLflow
     fail_after_step: int | None = None  # fault injection for tests: rank 0 exits after this step's checkpoint
     stage: str = "rm"  # prefix of the progress lines
 
@@ -439,7 +439,7 @@ def validate_preference_inputs(
     return infos
 
 
-def _launch(job: PreferenceJob) -> dict:
+def _launch(job: PreferenceJob, relay: MetricsRelay) -> dict:
     from posttrain_core.cluster import WorkerGroup
 
     cfg = job.cfg
@@ -454,12 +454,15 @@ def _launch(job: PreferenceJob) -> dict:
     )
     group = WorkerGroup(PreferenceWorker, cfg.num_workers)
     try:
-        return group.run("train", job)[0]
+        return group.run("train", job, poll=relay.pump)[0]
     finally:
         group.shutdown()
 
 
-def _job(objective: Literal["rm", "dpo"], cfg, data_path: str, model_path: str, ctx: StageContext) -> PreferenceJob:
+def _job(
+    objective: Literal["rm", "dpo"], cfg, data_path: str, model_path: str, ctx: StageContext
+) -> tuple[PreferenceJob, MetricsRelay]:
+    relay = MetricsRelay(ctx.workdir / "metrics.jsonl", ctx.tracker)
     fail = os.environ.get(FAULT_ENV)
     injected = (ctx.workdir / "fault-injected").exists()
     return PreferenceJob(
@@ -469,10 +472,10 @@ def _job(objective: Literal["rm", "dpo"], cfg, data_path: str, model_path: str, 
         model_path=model_path,
         workdir=str(ctx.workdir),
         outdir=str(ctx.outdir),
-        tracker=ctx.tracker,
+        tracker=relay.sink,
         fail_after_step=int(fail) if fail and not injected else None,
         stage=objective,
-    )
+    ), relay
 
 
 def _output(result: dict, extra: dict) -> StageOutput:
@@ -503,9 +506,9 @@ def run_reward_model(cfg: RewardModelConfig, data: ArtifactRef, base: ArtifactRe
     infos = validate_preference_inputs("reward_model", cfg, data, {"base": base}, store)
 
     def build(ctx: StageContext) -> StageOutput:
-        job = _job("rm", cfg, str(store.local_path(data)), str(store.local_path(base)), ctx)
+        job, relay = _job("rm", cfg, str(store.local_path(data)), str(store.local_path(base)), ctx)
         extra = {"objective": "reward_model", "base_model": base.uri, "model_type": infos["base"].get("model_type")}
-        return _output(_launch(job), extra)
+        return _output(_launch(job, relay), extra)
 
     return run_stage("reward_model", cfg, {"data": data, "base": base}, store, "model", build)
 
@@ -593,7 +596,7 @@ def run_dpo(
 
         assert ref_lp is not None
         tracking.log_inputs(ctx.tracker, {"reference_logprobs": ref_lp})
-        job = _job("dpo", cfg, str(store.local_path(ref_lp)), str(store.local_path(policy)), ctx)
+        job, relay = _job("dpo", cfg, str(store.local_path(ref_lp)), str(store.local_path(policy)), ctx)
         extra = {
             "objective": "dpo",
             "base_model": policy.uri,
@@ -601,6 +604,6 @@ def run_dpo(
             "reference_logprobs": ref_lp.model_dump(),
             "model_type": infos["policy"].get("model_type"),
         }
-        return _output(_launch(job), extra)
+        return _output(_launch(job, relay), extra)
 
     return run_stage("dpo", cfg, inputs, store, "model", build)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from posttrain_core.config import RLConfig
-from posttrain_core.tracking import RunLogger
 from posttrain_core.train.loop import IGNORE, TrainWorker, peak_rss_mb
 
 STATE_FILE = "trainer_state.pt"  # optimizer states, step count: the policy artifact carries them to the next update
@@ -57,8 +57,12 @@ class RLJob:
     state_path: str | None  # trainer_state.pt of the previous update, if any
     outdir: str
     train_policy: bool = True  # False: value pretraining (critic only)
-    tracker: RunLogger | None = None
     stage: str = "rl_update"
+    # Artifact keys, for warm workers: an update whose policy (and critic) is the artifact the same workers just
+    # built continues from their memory instead of reloading it (`RLWorker.load`).
+    policy_key: str | None = None
+    critic_key: str | None = None
+    output_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,9 +130,21 @@ def _chunks(rows: list[int], size: int) -> list[list[int]]:
 class RLWorker(TrainWorker):
     """One data-parallel rank: TrainWorker's process-group setup, then `load` -> `prepare` -> `update`."""
 
-    def load(self, job: RLJob) -> None:
-        """Policy (trainable), reference, critic, optimizers and the previous update's trainer state."""
+    def load(self, job: RLJob) -> str:
+        """Policy (trainable), reference, critic, optimizers and the previous update's trainer state.
+
+        Returns "continued" when this worker built the job's policy (and critic) itself in its last update and kept
+        them: weights, optimizer moments, scheduler and step counters are then exactly what the published artifact
+        holds (fp32 safetensors and torch.save round-trip bit for bit; a resumed run relies on it, and the RL flow
+        test compares the two paths' final digests), so nothing is reloaded. "loaded" otherwise.
+        """
         import torch
+
+        if self._continues(job):
+            self.job = job
+            torch.manual_seed(job.cfg.seed)  # as a fresh load does
+            return "continued"
+        self.release()
 
         from posttrain_core.models.critic import build_critic
         from posttrain_core.models.loading import _is_peft, check_model_path, load_causal_lm, load_tokenizer
@@ -174,13 +190,29 @@ class RLWorker(TrainWorker):
                 self.critic_opt.load_state_dict(state["critic_optimizer"])
                 self.critic_sched.load_state_dict(state["critic_scheduler"])
             self.ddp_critic = wrap(self.critic.train())
+        return "loaded"
+
+    def _continues(self, job: RLJob) -> bool:
+        """Whether the models in memory are what `job` would load: the policy (and critic) artifact is the one this
+        worker's last update built, with the same reference and settings."""
+        kept = self.__dict__.get("kept")
+        if kept is None or not job.train_policy or job.policy_key is None:
+            return False
+        critic_ok = job.critic_path is None or job.critic_key == job.policy_key
+        return critic_ok and kept == (job.policy_key, job.reference_path, job.cfg)
+
+    def keep(self) -> None:
+        """After a successful update: keep the models for an update that continues from its artifact."""
+        job = self.job
+        if job.train_policy and job.output_key is not None:
+            self.kept = (job.output_key, job.reference_path, job.cfg)
 
     def release(self) -> None:
         """Drop the models and optimizers of the last update (the process stays, warm, for the next one)."""
         import gc
 
         for name in ("policy", "reference", "critic", "ddp_policy", "ddp_critic", "opt", "critic_opt", "sched",
-                     "critic_sched", "params", "critic_params", "job", "tokenizer"):  # fmt: skip
+                     "critic_sched", "params", "critic_params", "job", "tokenizer", "kept"):  # fmt: skip
             self.__dict__.pop(name, None)
         gc.collect()
 
@@ -419,9 +451,24 @@ class RLWorker(TrainWorker):
         if self.critic_opt is not None:
             state.update(critic_optimizer=self.critic_opt.state_dict(), critic_scheduler=self.critic_sched.state_dict())
         tmp = out / f".{STATE_FILE}.tmp"
-        torch.save(state, tmp)
+        torch.save(_interned(state), tmp)
         os.replace(tmp, out / STATE_FILE)
         return info
+
+
+def _interned(obj: Any) -> Any:
+    """`obj` with every string dict key interned, so that its pickle does not depend on where the keys came from.
+
+    Pickle writes a string once and refers back to it when the *same object* recurs. The optimizer's state keys
+    ("step", "exp_avg", ...) are interned literals when AdamW created them, and fresh strings when
+    `load_state_dict` unpickled them: the same state gave two byte streams (seen: warm workers continuing in memory
+    vs fresh workers reloading), hence two artifact digests for one policy.
+    """
+    if isinstance(obj, dict):
+        return {(sys.intern(k) if isinstance(k, str) else k): _interned(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_interned(v) for v in obj)
+    return obj
 
 
 def _dropout_active(model) -> bool:

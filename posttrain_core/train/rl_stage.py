@@ -274,7 +274,7 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
     group = acquire_workers(cfg.num_workers)
     done = False
     try:
-        group.run("load", job)
+        loads = group.run("load", job)
         t1 = time.time()
         batch_ref = ray.put(batch)
         shards = split(list(range(len(batch))), cfg.num_workers)
@@ -295,6 +295,7 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
             group.shutdown()
     # start-up (actors, process group, model loading) vs the work: old/ref log-probs + advantages, then the update
     target_metrics.update(startup_s=t1 - t0, prepare_s=t2 - t1, train_s=time.time() - t2)
+    target_metrics["continued_in_memory"] = float(all(x == "continued" for x in loads))
     return result, target_metrics
 
 
@@ -358,12 +359,13 @@ def acquire_workers(num_workers: int):
 
 
 def release_workers(group, num_workers: int) -> None:
-    """Free the models in `group` and keep its processes for the next update (shut down after WARM_IDLE_S idle)."""
+    """Put `group` back in the pool for the next update (shut down after WARM_IDLE_S idle). Its models stay in
+    memory: an update that continues from the artifact this one built uses them (`RLWorker.load`)."""
     if os.environ.get(WARM_ENV, "1") == "0":
         group.shutdown()
         return
     try:
-        group.run("release")
+        group.run("keep")
         cluster = _cluster_id()
     except Exception:  # noqa: BLE001 - nothing to keep
         group.shutdown()
@@ -441,7 +443,9 @@ def run_rl_update(
             critic_path=critic_path,
             state_path=str(state) if state.exists() else None,
             outdir=str(ctx.outdir),
-            tracker=ctx.tracker,
+            policy_key=policy.key,
+            critic_key=critic.key if critic is not None else None,
+            output_key=ctx.key,
         )
         log.info(
             "%s: %s on %d samples (%d groups), %d workers, %d epochs x %d mini-batches",
@@ -487,7 +491,6 @@ def run_value_pretrain(cfg: RLConfig, scored: ArtifactRef, policy: ArtifactRef, 
             state_path=None,
             outdir=str(ctx.outdir),
             train_policy=False,
-            tracker=ctx.tracker,
             stage=VALUE_STAGE,
         )
         result, target_metrics = _launch(job, batch, rcfg, 0.0, rcfg.value_pretrain_steps)

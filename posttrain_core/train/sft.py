@@ -51,7 +51,9 @@ def _run_training(
 
     def build(ctx: StageContext) -> StageOutput:
         from posttrain_core.cluster import WorkerGroup
+        from posttrain_core.tracking import MetricsRelay
 
+        relay = MetricsRelay(ctx.workdir / "metrics.jsonl", ctx.tracker)
         fail = os.environ.get(FAULT_ENV)
         injected = (ctx.workdir / "fault-injected").exists()
         job = TrainJob(
@@ -61,7 +63,7 @@ def _run_training(
             base_path=str(store.local_path(base)),
             workdir=str(ctx.workdir),
             outdir=str(ctx.outdir),
-            tracker=ctx.tracker,
+            tracker=relay.sink,
             fail_after_step=int(fail) if fail and not injected else None,
             stage=stage,
         )
@@ -76,7 +78,7 @@ def _run_training(
         )
         group = WorkerGroup(TrainWorker, cfg.num_workers)
         try:
-            result = group.run("train", job)[0]
+            result = group.run("train", job, poll=relay.pump)[0]
         finally:
             group.shutdown()
         info = result.pop("model_info")
