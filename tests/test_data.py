@@ -388,7 +388,7 @@ def test_slipped_demonstrations_are_consistent_and_keep_the_true_answer():
     problems = make_problems(n=1000, seed=6)
     shown = with_slips(problems, 0.25, max_digits=2, seed=6)
     assert [p.answer for p in shown] == [p.answer for p in problems]  # what the verifier checks stays right
-    slipped = [s for p, s in zip(problems, shown) if s.solution != p.solution]
+    slipped = [s for p, s in zip(problems, shown, strict=True) if s.solution != p.solution]
     assert all(s.family == "arithmetic" for s in slipped)
     assert 0.18 < len(slipped) / 500 < 0.32
     for s in slipped:  # one step off by one, the rest (carries, final answer) follows from it
