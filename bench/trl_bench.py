@@ -51,6 +51,9 @@ def settings(quick: bool, args) -> dict:
         scaling_workers=(1, 2),
         overhead_reps=5,
         threads=os.cpu_count() or 1,
+        # Same on both sides (TRL's own default is on; posttrain's is off): recomputing activations trades ~1/3
+        # more compute for memory, so a comparison with it on one side only compares settings, not stacks.
+        gradient_checkpointing=False,
     )
     if quick:
         s.update(
@@ -60,6 +63,7 @@ def settings(quick: bool, args) -> dict:
     for k in ("reps", "sft_steps", "grpo_iters", "threads"):
         if getattr(args, k, None):
             s[k] = getattr(args, k)
+    s["gradient_checkpointing"] = bool(getattr(args, "gradient_checkpointing", False))
     return s
 
 
@@ -101,6 +105,7 @@ class Bench:
             schedule="constant",
             checkpoint_every=0,
             log_every=10**6,
+            gradient_checkpointing=s["gradient_checkpointing"],
             keep_checkpoints=rep + 1,  # unused with checkpoint_every=0: only makes every repetition a fresh stage key
         )
 
@@ -137,6 +142,7 @@ class Bench:
         spec = dict(
             mode="sft", model=self.model.path, data=str(work / "data.json"), workdir=str(work / "out"), steps=steps,
             per_device_batch=s["global_batch"] // workers, lr=s["lr"], max_len=s["seq_len"], seed=rep,
+            gradient_checkpointing=s["gradient_checkpointing"],
             threads=max(1, s["threads"] // workers), out=str(work / "result.json"),
         )  # fmt: skip
         write_json(work / "spec.json", spec)
@@ -198,7 +204,8 @@ class Bench:
             rollout={"n": s["grpo_n"], "max_prompts": s["grpo_prompts"], "max_tokens": s["grpo_max_tokens"],
                      "temperature": 1.0, "num_engines": 2, "batch_size": s["grpo_prompts"]},
             rl={"algorithm": "grpo", "num_workers": 2, "mini_batches": 1, "ppo_epochs": 1,
-                "micro_batch_size": s["grpo_prompts"] * s["grpo_n"], "kl_coef": s["kl_coef"], "lr": 5e-4},
+                "micro_batch_size": s["grpo_prompts"] * s["grpo_n"], "kl_coef": s["kl_coef"], "lr": 5e-4,
+                "gradient_checkpointing": s["gradient_checkpointing"]},
             eval={"max_prompts": 4, "max_new_tokens": 8, "num_workers": 1},
             eval_samples=0,
         )  # fmt: skip
@@ -228,6 +235,7 @@ class Bench:
             mode="grpo", model=self.model.path, data=str(work / "data.json"), workdir=str(work / "out"),
             steps=s["grpo_iters"], prompts=s["grpo_prompts"], n=s["grpo_n"], max_tokens=s["grpo_max_tokens"],
             temperature=1.0, kl_coef=s["kl_coef"], lr=5e-4, seed=0, threads=s["threads"],
+            gradient_checkpointing=s["gradient_checkpointing"],
             out=str(work / "result.json"),
         )  # fmt: skip
         write_json(work / "spec.json", spec)
@@ -412,7 +420,8 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         "posttrain vs TRL " + res["trl_version"] + ", side by side in one run (ratio > 1.0: posttrain is better)",
         f"model: random-init Llama ({s['preset']}), {m.params / 1e6:.2f}M params, hidden {m.hidden_size}, "
         f"{m.num_layers} layers, {m.num_heads} heads ({m.num_kv_heads} KV), head_dim {m.head_dim}, "
-        f"MLP {m.intermediate_size}, vocab {m.vocab_size}; fp32 on CPU; torch {res['torch_version']}, "
+        f"MLP {m.intermediate_size}, vocab {m.vocab_size}; fp32 on CPU; gradient checkpointing "
+        f"{'on' if s['gradient_checkpointing'] else 'off'} on both sides; torch {res['torch_version']}, "
         f"transformers {res['transformers_version']}",
         f"SFT: synthetic chats, seq len <= {s['seq_len']} (mean {res['mean_len']:.0f} tokens, "
         f"{res['trained_frac']:.0%} trained), global batch {s['global_batch']}, {s['sft_steps']} steps per run "
@@ -480,6 +489,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grpo-iters", dest="grpo_iters", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads of a 1-process contender")
     p.add_argument("--no-sft2", action="store_true", help="skip the 2-worker SFT comparison")
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations on both sides (TRL's default)"
+    )
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one, removed)")
     args = p.parse_args(argv)

@@ -15,7 +15,8 @@ import time
 
 
 def _optimizer_args(spec: dict) -> dict:
-    """The optimizer settings both TRL trainers share with posttrain's side: constant lr, AdamW(0.9, 0.95), clip 1."""
+    """What both TRL trainers share with posttrain's side: constant lr, AdamW(0.9, 0.95), clip 1, and gradient
+    checkpointing as set for both (TRL turns it on by default; posttrain's default is off)."""
     return dict(
         learning_rate=spec["lr"],
         lr_scheduler_type="constant",
@@ -24,6 +25,7 @@ def _optimizer_args(spec: dict) -> dict:
         adam_beta1=0.9,
         adam_beta2=0.95,
         max_grad_norm=1.0,
+        gradient_checkpointing=bool(spec.get("gradient_checkpointing", False)),
     )
 
 

@@ -101,6 +101,9 @@ class TrainConfig(_Config):
     max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping (0 = off)")
     max_seq_len: int = Field(128, ge=8, description="tokens per sequence (longer rows are truncated)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (bfloat16 = autocast)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory, about a third more compute"
+    )
     checkpoint_every: int = Field(100, ge=0, description="in-stage checkpoint interval in steps (0 = never)")
     keep_checkpoints: int = Field(2, ge=1, description="in-stage checkpoints kept")
     log_every: int = Field(10, ge=1, description="steps between progress lines and MLflow metrics")
@@ -303,6 +306,9 @@ class RLConfig(_Config):
         None, ge=0, description="critic steps on the initial policy's samples before RL (VAPO; empty: preset)"
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (bfloat16 = autocast)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory, about a third more compute"
+    )
     seed: int = Field(0, description="mini-batch order seed")
     lora: LoraConfig | None = Field(
         None, description="train LoRA adapters; the reference is then the base with the adapter disabled"

@@ -79,3 +79,31 @@ def test_tracking_defaults_to_sqlite_in_the_store(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert tracking.tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     assert tracking.flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": "1", "a.c": "[1, 2]", "d": "null"}
+
+
+def test_gradient_checkpointing_trains_the_same_steps(tiny_inputs, tmp_path):
+    """Activations recomputed in the backward pass: the same losses and weights as keeping them (float rounding)."""
+    from safetensors.torch import load_file
+
+    from posttrain_core.models.loading import enable_gradient_checkpointing
+    from posttrain_core.models.tiny import build_tiny_model
+
+    model = build_tiny_model(vocab_size=300)
+    assert not any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers)
+    enable_gradient_checkpointing(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+
+    store, data, base = tiny_inputs
+    common = dict(max_steps=3, global_batch_size=8, micro_batch_size=4, max_seq_len=64, warmup_steps=0,
+                  checkpoint_every=0, num_workers=1, lr=1e-2)  # fmt: skip
+    runs = {}
+    for gc in (False, True):
+        out = tmp_path / f"gc-{gc}"
+        cfg = SFTConfig(gradient_checkpointing=gc, **common)
+        runs[gc] = train_loop(
+            TrainJob("sft", cfg, str(data.sft.path), base.uri, str(tmp_path / f"w-{gc}"), str(out)), 0, 1
+        )
+        runs[gc]["weights"] = load_file(str(out / "model.safetensors"))
+    assert runs[True]["loss_history"] == pytest.approx(runs[False]["loss_history"], abs=1e-5)
+    for name, w in runs[False]["weights"].items():
+        assert (runs[True]["weights"][name] - w).abs().max() < 1e-4, name

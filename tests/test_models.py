@@ -292,3 +292,47 @@ def test_adapter_with_missing_base(checkpoint, tmp_path):
 def test_import_is_light():
     code = "import sys, posttrain_core.models; assert not {'torch', 'transformers', 'peft'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_selected_logits_equal_the_full_forward_and_its_gradients(arch, lora):
+    """The LM head on selected positions only gives the full forward's logits there, and the same gradients."""
+    from posttrain_core.models.heads import SelectedLogits
+
+    def build():
+        m = build_tiny_model(arch=arch, vocab_size=300, seed=3)
+        return apply_lora(m, LoraSettings(r=4, alpha=8), seed=0) if lora else m
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 300, (3, 9), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 6:] = 0  # right padding
+    keep = torch.rand(3, 9, generator=g) > 0.5
+    pos = torch.tensor([[2, 3, 4], [1, 5, 5], [0, 7, 8]])
+    full_model, head = build(), SelectedLogits(build())
+    assert head.plain  # llama / qwen2 (and LoRA around them) take the hidden-state path
+    full = full_model(input_ids=ids, attention_mask=attn).logits
+    assert torch.allclose(head(ids, attn, keep), full[keep], atol=1e-5)
+    picked = head(ids, attn, pos)
+    assert picked.shape == (3, 3, 300) and torch.allclose(picked[1, 1], full[1, 5], atol=1e-5)
+
+    full[keep].logsumexp(-1).sum().backward()
+    head(ids, attn, keep).logsumexp(-1).sum().backward()
+    grads = {n: p.grad for n, p in full_model.named_parameters() if p.requires_grad}
+    for name, p in head.lm.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p.grad, grads[name], atol=1e-5), name
+
+
+def test_selected_logits_fall_back_to_the_models_own_forward():
+    """An architecture whose logits are not a plain projection (or is unknown) keeps its own forward."""
+    from posttrain_core.models.heads import SelectedLogits
+
+    model = build_tiny_model(vocab_size=300, seed=3)
+    model.config.model_type = "gemma2"  # soft-caps its logits in the CausalLM forward
+    head = SelectedLogits(model)
+    assert not head.plain
+    ids = torch.randint(4, 300, (2, 5))
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    assert torch.equal(head(ids, torch.ones_like(ids), keep), model(input_ids=ids).logits[keep])

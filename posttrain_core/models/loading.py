@@ -260,3 +260,9 @@ def save_checkpoint(
         "base_model": base_path,
         "num_parameters": num_parameters(model),
     }
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant checkpoints, which need no
+    input that requires grad, so they also work with frozen embeddings under LoRA)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

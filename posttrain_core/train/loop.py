@@ -200,7 +200,14 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from posttrain_core.models.loading import check_model_path, load_causal_lm, load_tokenizer, save_checkpoint
+    from posttrain_core.models.heads import SelectedLogits
+    from posttrain_core.models.loading import (
+        check_model_path,
+        enable_gradient_checkpointing,
+        load_causal_lm,
+        load_tokenizer,
+        save_checkpoint,
+    )
     from posttrain_core.models.lora import LoraSettings, apply_lora
 
     cfg = job.cfg
@@ -211,11 +218,14 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     if cfg.lora is not None and not is_adapter:
         lora = cfg.lora
         model = apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)))
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     model.train()
     examples, dropped = build_examples(job, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    net = SelectedLogits(model)  # the LM head runs on the trained positions only
+    ddp = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
     params, opt, sched = build_optimizer(model, cfg)
     start_step = resume_from_checkpoint(job, model, opt, sched, rank)
 
@@ -237,14 +247,11 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
         for j, mb in enumerate(micro):
             sync = world == 1 or j == len(micro) - 1
             ids, labels, mask = collate([examples[i] for i in mb], pad_id)
+            keep = torch.zeros_like(labels, dtype=torch.bool)  # position t predicts token t + 1
+            keep[:, :-1] = labels[:, 1:] != IGNORE
             with contextlib.nullcontext() if sync else ddp.no_sync(), autocast:
-                logits = ddp(input_ids=ids, attention_mask=mask).logits
-                ce = F.cross_entropy(
-                    logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                    labels[:, 1:].reshape(-1),
-                    ignore_index=IGNORE,
-                    reduction="sum",
-                )
+                logits = ddp(ids, mask, keep)
+                ce = F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum")
                 # DDP averages gradients over ranks, so scale by world to get sum / global token count.
                 (ce * world / n_tok.item()).backward()
             stats += torch.tensor([ce.item(), float(mask.sum())], dtype=torch.float64)
@@ -284,8 +291,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     elapsed = time.time() - t_start
     result = {"rank": rank}
     if rank == 0:
-        unwrapped = ddp.module if world > 1 else ddp
-        info = save_checkpoint(unwrapped, tokenizer, job.outdir, merge_lora=cfg.merge_lora)
+        info = save_checkpoint(model, tokenizer, job.outdir, merge_lora=cfg.merge_lora)
         k = max(1, min(cfg.log_every, len(history) // 2 or 1))
         result.update(
             model_info=info,

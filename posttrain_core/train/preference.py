@@ -238,11 +238,13 @@ def preference_loop(job: PreferenceJob, rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from posttrain_core.data.io import read_dataset
-    from posttrain_core.models.loading import save_checkpoint
+    from posttrain_core.models.loading import enable_gradient_checkpointing, save_checkpoint
 
     cfg = job.cfg
     torch.manual_seed(cfg.seed)  # also seeds the RM head's initialisation
     model, tokenizer = _load(job)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     model.train()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = read_dataset(job.data_path, "preferences").to_pylist()

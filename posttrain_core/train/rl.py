@@ -117,10 +117,16 @@ def encode(batch: RLBatch, rows: list[int], pad_id: int):
 
 
 def response_logits(model: Any, ids, attn, pos):
-    """logits_B_R_V of the response tokens (gathered before the softmax: no B x L x V log-softmax)."""
-    logits_B_L_V = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    V = logits_B_L_V.shape[-1]
-    return logits_B_L_V.gather(1, pos[..., None].expand(-1, -1, V)).float()
+    """logits_B_R_V (fp32) of the response tokens: the LM head runs on those positions only (`SelectedLogits`).
+
+    `model` is a causal LM, or a `SelectedLogits` (possibly inside DDP) around one.
+    """
+    import torch
+
+    from posttrain_core.models.heads import SelectedLogits
+
+    wrapped = isinstance(model, SelectedLogits | torch.nn.parallel.DistributedDataParallel)
+    return (model if wrapped else SelectedLogits(model))(ids, attn, pos).float()
 
 
 def _chunks(rows: list[int], size: int) -> list[list[int]]:
@@ -147,7 +153,14 @@ class RLWorker(TrainWorker):
         self.release()
 
         from posttrain_core.models.critic import build_critic
-        from posttrain_core.models.loading import _is_peft, check_model_path, load_causal_lm, load_tokenizer
+        from posttrain_core.models.heads import SelectedLogits
+        from posttrain_core.models.loading import (
+            _is_peft,
+            check_model_path,
+            enable_gradient_checkpointing,
+            load_causal_lm,
+            load_tokenizer,
+        )
         from posttrain_core.models.lora import LoraSettings, apply_lora
         from posttrain_core.train.loop import build_optimizer
 
@@ -164,12 +177,16 @@ class RLWorker(TrainWorker):
             settings = LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
             self.policy = apply_lora(self.policy, settings, seed=cfg.seed)
         self.lora = _is_peft(self.policy)
+        if cfg.gradient_checkpointing and job.train_policy:
+            enable_gradient_checkpointing(self.policy)
         self.reference = None
         if job.reference_path is not None and not self.lora:
             self.reference = load_causal_lm(job.reference_path).eval().requires_grad_(False)
         if not job.train_policy:
             self.policy.eval().requires_grad_(False)
         self.critic = build_critic(job.critic_path) if job.critic_path else None
+        if cfg.gradient_checkpointing and self.critic is not None:
+            enable_gradient_checkpointing(self.critic)
 
         state = torch.load(job.state_path, weights_only=False) if job.state_path else {}
         self.step = state.get("step", 0)
@@ -181,7 +198,7 @@ class RLWorker(TrainWorker):
             if "policy_optimizer" in state:
                 self.opt.load_state_dict(state["policy_optimizer"])
                 self.sched.load_state_dict(state["policy_scheduler"])
-            self.ddp_policy = wrap(self.policy.train())
+            self.ddp_policy = wrap(SelectedLogits(self.policy.train()))
         if self.critic is not None:
             self.critic_params, self.critic_opt, self.critic_sched = build_optimizer(
                 self.critic, _optim_settings(cfg, cfg.critic_lr)

@@ -1,0 +1,59 @@
+"""Logits at chosen positions only: the LM head runs on the tokens a loss reads, not on every position.
+
+SFT trains on the assistant tokens (about half of a chat) and RL reads the response tokens only, yet a causal LM's
+forward projects every position onto the vocabulary: a B x L x V logits tensor, its log-softmax and their gradients
+were the largest activations of a training step (on the benchmark's 10M-parameter model, a 8 x 256-token SFT step
+peaked at 1,303 MiB with full logits and 1,189 MiB with the labelled positions only; bench/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Architectures whose logits are exactly lm_head(final hidden state). Others (logit soft-capping, logit scaling, ...)
+# keep the model's own forward and select from its logits: the same numbers, without the saving.
+PLAIN_HEAD_TYPES = frozenset(
+    {"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral", "mixtral", "phi3", "olmo", "olmo2"}
+)
+
+
+def plain_head(lm: torch.nn.Module) -> bool:
+    """Whether `lm` (a causal LM, or a LoRA peft model around one) computes its logits as lm_head(hidden)."""
+    peft = getattr(lm, "peft_config", None)
+    if peft and any(str(getattr(c, "peft_type", "")).split(".")[-1] != "LORA" for c in peft.values()):
+        return False  # prompt/prefix tuning changes the inputs inside the peft model's own forward
+    config = getattr(lm, "config", None)
+    return getattr(config, "model_type", None) in PLAIN_HEAD_TYPES and hasattr(lm, "get_decoder")
+
+
+class SelectedLogits(torch.nn.Module):
+    """A causal LM whose forward returns the logits at selected positions only.
+
+    It is a module (not a function) so that DistributedDataParallel can wrap it: DDP's forward must run for its
+    gradient hooks to fire. The wrapped model is `.lm`; its parameters are this module's.
+    """
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.plain = plain_head(lm)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+        """Logits at `select`.
+
+        Args:
+            input_ids, attention_mask: B x L.
+            select: a bool B x L mask (returns N x V, the selected positions in row-major order), or long B x R
+                positions (returns B x R x V, position select[b, r] of row b).
+        """
+        if self.plain:
+            hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return self.lm.get_output_embeddings()(_pick(hidden.last_hidden_state, select))
+        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return _pick(logits, select)
+
+
+def _pick(x_B_L_D: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    if select.dtype == torch.bool:
+        return x_B_L_D[select]
+    return x_B_L_D.gather(1, select[..., None].expand(-1, -1, x_B_L_D.shape[-1]))
