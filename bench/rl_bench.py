@@ -9,8 +9,8 @@ the same starting policy, on the same prompts (the synthetic training prompts, a
 next window of them every iteration), with the same seeds and rollout settings. Printed:
 
 1. learning: held-out accuracy of the start policy and of the final policy, sampled (pass@1 of 8 samples per prompt
-   at the rollout temperature: the quantity RL optimises) and greedy (overall and per family), and the training
-   reward of the first and last iterations;
+   at the rollout temperature: the quantity RL optimises; overall and on arithmetic) and greedy (overall and per
+   family), and the training reward of the first and last iterations;
 2. the reward curve (sample reward per iteration) of each algorithm;
 3. time per iteration, median over the iterations: generation, scoring, training (old log-probs, advantages,
    optimizer steps), stage start-up (Ray actors, process groups, model loading) and orchestration (Prefect task
@@ -80,8 +80,8 @@ def report(results: dict[str, dict], args) -> str:
         "",
         "1. learning on the 200 held-out prompts (start = the SFT model): sampled = mean exact match of 8 samples per",
         "   prompt at the rollout temperature (what RL optimises), greedy = exact match of the greedy answer",
-        f"{'algorithm':<22} {'sampled':>15} {'change':>7} {'greedy':>13} {'change':>7} {'greedy arith':>13} "
-        f"{'greedy reverse':>14} {'train reward':>13} {'wall s':>7}",
+        f"{'algorithm':<22} {'sampled':>15} {'change':>7} {'sampled arith':>14} {'greedy':>13} {'change':>7} "
+        f"{'greedy arith':>13} {'greedy reverse':>14} {'train reward':>13} {'wall s':>7}",
     ]
     for name, r in results.items():
         ev, sa = r["eval_metrics"], r["sampled_accuracy"]
@@ -89,8 +89,10 @@ def report(results: dict[str, dict], args) -> str:
         a0, a1 = ev[first]["accuracy"], ev[last]["accuracy"]
         s0, s1 = sa[first]["pass@1"], sa[last]["pass@1"]
         fam = {f: (ev[first].get(f"accuracy/{f}", 0.0), ev[last].get(f"accuracy/{f}", 0.0)) for f in FAMILIES}
+        ar0, ar1 = (sa[k].get("pass@1/arithmetic", float("nan")) for k in (first, last))
         lines.append(
-            f"{name:<22} {s0:>6.3f} -> {s1:.3f} {s1 - s0:>+7.3f} {a0:>5.3f} -> {a1:.3f} {a1 - a0:>+7.3f} "
+            f"{name:<22} {s0:>6.3f} -> {s1:.3f} {s1 - s0:>+7.3f} {ar0:>5.3f} -> {ar1:.3f} "
+            f"{a0:>5.3f} -> {a1:.3f} {a1 - a0:>+7.3f} "
             f"{fam['arithmetic'][0]:>5.3f} -> {fam['arithmetic'][1]:.3f} {fam['reverse'][0]:>6.3f} -> "
             f"{fam['reverse'][1]:.3f} {r['curve'][0]['reward_mean']:>5.3f} -> {r['curve'][-1]['reward_mean']:.3f} "
             f"{r['wall_s']:>7.0f}"

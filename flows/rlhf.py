@@ -105,9 +105,10 @@ def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
         if sampled:
             run.log_metrics(
                 {
-                    f"eval/sampled_{k.replace('@', '_at_')}_{when}": sampled[i][k]
+                    f"eval/sampled_{k.replace('@', '_at_').replace('/', '_')}_{when}": sampled[i][k]
                     for i, when in ((0, "before"), (config.iterations, "after"))
-                    for k in ("pass@1", f"pass@{config.eval_samples}")
+                    for k in sampled[i]
+                    if k.startswith("pass@")
                 }
             )
         png = reports.plot_curve(
@@ -137,7 +138,7 @@ def _sampled_accuracy(config: RLHFFlowConfig, store, prompts, policy, iteration:
     """pass@1 and pass@n of `policy` on the held-out prompts, sampled like the rollouts (the quantity RL raises)."""
     from posttrain_core.config import ScoreConfig
     from posttrain_core.data.io import read_dataset
-    from posttrain_core.rewards.passk import pass_at_k_table
+    from posttrain_core.rewards.passk import pass_at_k_by_family
 
     n = config.eval_samples
     cfg = config.rollout.model_copy(
@@ -146,7 +147,11 @@ def _sampled_accuracy(config: RLHFFlowConfig, store, prompts, policy, iteration:
     root = str(store.root)
     samples = rollout(cfg, prompts, policy, f"eval{iteration}", root, pid, engines)
     scored = score(ScoreConfig(verifiers={config.eval.verifier: 1.0}), samples, None, f"eval{iteration}", root, pid)
-    return pass_at_k_table(read_dataset(store.local_path(scored), "scored_rollouts"), dict.fromkeys((1, n)))
+    return pass_at_k_by_family(
+        read_dataset(store.local_path(scored), "scored_rollouts"),
+        read_dataset(store.local_path(prompts), "prompts"),
+        dict.fromkeys((1, n)),
+    )
 
 
 def _summary(algorithm, store, policy, curve, accuracy, family, sampled, png, run_id) -> str:
@@ -157,9 +162,15 @@ def _summary(algorithm, store, policy, curve, accuracy, family, sampled, png, ru
     )
     lines = []
     if sampled:
+        per_family = ", ".join(
+            f"{k.split('/')[1]} {sampled[0][k]:.3f} -> {sampled[last].get(k, float('nan')):.3f}"
+            for k in sorted(sampled[0])
+            if k.startswith("pass@1/")
+        )
         lines = [
             f"- held-out sampled accuracy (pass@1, samples at the rollout temperature): start "
             f"**{sampled[0]['pass@1']:.3f}** -> after RL **{sampled[last]['pass@1']:.3f}**"
+            + (f" ({per_family})" if per_family else "")
         ]
     return "\n".join(
         [

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from posttrain_core.config import ScoreConfig
-from posttrain_core.rewards.passk import pass_at_k, pass_at_k_table
+from posttrain_core.rewards.passk import pass_at_k, pass_at_k_by_family, pass_at_k_table
 from posttrain_core.rewards.score import score_rollouts
 from posttrain_core.rewards.shaping import overlong_penalty
 
@@ -141,6 +141,11 @@ def test_pass_at_k_by_hand():
     table = pa.table({"prompt_id": ["a"] * 5 + ["b"] * 5, "correct": [1, 1, 0, 0, 0] + [0] * 5})
     table = table.set_column(1, "correct", table.column("correct").cast(pa.bool_()))
     assert pass_at_k_table(table, (1, 2)) == pytest.approx({"pass@1": 0.2, "pass@2": 0.35, "num_prompts": 2.0})
+    prompts = pa.table({"prompt_id": ["a", "b", "c"], "meta": ['{"family": "x"}', '{"family": "y"}', None]})
+    assert pass_at_k_by_family(table, prompts, (1, 2)) == pytest.approx(
+        {"pass@1": 0.2, "pass@2": 0.35, "num_prompts": 2.0, "pass@1/x": 0.4, "pass@2/x": 0.7, "pass@1/y": 0.0,
+         "pass@2/y": 0.0}
+    )  # fmt: skip
 
 
 def _register_rollouts(store, table: pa.Table, folder):

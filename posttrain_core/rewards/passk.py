@@ -56,6 +56,27 @@ def pass_at_k_table(scored: pa.Table, ks: Sequence[int]) -> dict[str, float]:
     return out
 
 
+def pass_at_k_by_family(scored: pa.Table, prompts: pa.Table, ks: Sequence[int]) -> dict[str, float]:
+    """`pass_at_k_table` over all prompts, plus "pass@k/<family>" for each family named in the prompts' `meta`
+    ({"family": ...}, as the synthetic tasks write it; prompts without one count only in the overall numbers)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out = pass_at_k_table(scored, ks)
+    families: dict[str, list[str]] = {}
+    for pid, meta in zip(prompts.column("prompt_id").to_pylist(), prompts.column("meta").to_pylist(), strict=True):
+        family = json.loads(meta).get("family") if meta else None
+        if family:
+            families.setdefault(family, []).append(pid)
+    for family, ids in sorted(families.items()):
+        part = scored.filter(pc.is_in(scored.column("prompt_id"), pa.array(ids)))
+        if part.num_rows:
+            out.update({f"{k}/{family}": v for k, v in pass_at_k_table(part, ks).items() if k.startswith("pass@")})
+    return out
+
+
 def run_pass_at_k(
     rollout_cfg: RolloutConfig,
     score_cfg: ScoreConfig,
