@@ -169,3 +169,18 @@ def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tin
     metrics = store.manifest(new)["metrics"]
     assert metrics["logp_mismatch_mean"] < 1e-2, metrics  # two engines: not bit-identical, but close
     assert metrics["logp_mismatch_max"] < 0.1, metrics
+
+
+def test_an_earlier_idle_timer_does_not_end_a_group_released_again(ray_session):
+    """A warm group is shut down WARM_IDLE_S after its *latest* release, not its first one."""
+    from posttrain_core.train import rl_stage
+
+    group = rl_stage.acquire_workers(1)
+    rl_stage.release_workers(group, 1)
+    first = rl_stage._warm[1][2]
+    assert rl_stage.acquire_workers(1) is group  # warm: the same actors
+    rl_stage.release_workers(group, 1)
+    rl_stage._expire(1, first)  # the first release's timer fires while the group sits in the pool again
+    assert rl_stage._warm[1][0] is group and group.actors
+    rl_stage._expire(1, rl_stage._warm[1][2])  # its own timer ends it
+    assert 1 not in rl_stage._warm and not group.actors

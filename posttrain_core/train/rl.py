@@ -220,8 +220,8 @@ class RLWorker(TrainWorker):
 
     def keep(self) -> None:
         """After a successful update: keep the models for an update that continues from its artifact."""
-        job = self.job
-        if job.train_policy and job.output_key is not None:
+        job = self.__dict__.get("job")
+        if job is not None and job.train_policy and job.output_key is not None:
             self.kept = (job.output_key, job.reference_path, job.cfg)
 
     def release(self) -> None:

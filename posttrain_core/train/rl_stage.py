@@ -9,6 +9,7 @@ per-iteration rollout settings and DAPO's dynamic-sampling bookkeeping, which th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -318,7 +319,8 @@ def _needs_old_pass(job: RLJob, cfg: RLConfig, epochs: int) -> bool:
 WARM_ENV = "POSTTRAIN_WARM_RL_WORKERS"  # "0": a fresh worker group for every update
 WARM_IDLE_S = 300.0  # an idle warm group is shut down after this long
 _warm_lock = threading.Lock()
-_warm: dict[int, tuple[Any, str]] = {}  # num_workers -> (idle group, the Ray cluster it lives in)
+_warm: dict[int, tuple[Any, str, int]] = {}  # num_workers -> (idle group, its Ray cluster, release number)
+_releases = itertools.count()
 
 
 def _cluster_id() -> str:
@@ -345,7 +347,7 @@ def acquire_workers(num_workers: int):
     with _warm_lock:
         entry = _warm.pop(num_workers, None)
     if entry is not None:
-        group, cluster = entry
+        group, cluster, _ = entry
         try:
             import ray
 
@@ -372,21 +374,24 @@ def release_workers(group, num_workers: int) -> None:
         return
     with _warm_lock:
         old = _warm.pop(num_workers, None)
-        _warm[num_workers] = (group, cluster)
+        release = next(_releases)
+        _warm[num_workers] = (group, cluster, release)
     if old is not None:
         old[0].shutdown()
-    timer = threading.Timer(WARM_IDLE_S, _expire, (num_workers, group))
+    timer = threading.Timer(WARM_IDLE_S, _expire, (num_workers, release))
     timer.daemon = True
     timer.start()
 
 
-def _expire(num_workers: int, group) -> None:
+def _expire(num_workers: int, release: int) -> None:
+    """Shut the group down if it has sat idle since `release` (not if it was used and released again since: the
+    timer of an earlier release would otherwise end a group a few seconds after its latest update)."""
     with _warm_lock:
         entry = _warm.get(num_workers)
-        if entry is None or entry[0] is not group:
-            return  # in use again, or replaced
+        if entry is None or entry[2] != release:
+            return  # in use, replaced, or released again later
         del _warm[num_workers]
-    group.shutdown()
+    entry[0].shutdown()
 
 
 def check_rl_inputs(cfg: RLConfig, scored: list[ArtifactRef], policy: ArtifactRef, store: ArtifactStore) -> None:
