@@ -41,6 +41,9 @@ def settings(quick: bool, args) -> dict:
         grpo_prompts=8,
         grpo_n=4,
         grpo_max_tokens=32,
+        grpo_reps=2,  # runs per contender, alternating; s/step is the median over all of their steps 2..N
+        # A second GRPO row with 8x the generated tokens per step (and 4x the samples): how the ratio moves with work
+        grpo_large=dict(prompts=16, n=8, max_tokens=64, iters=3),
         kl_coef=0.04,
         rollout_prompts=32,
         rollout_n=4,
@@ -57,7 +60,8 @@ def settings(quick: bool, args) -> dict:
     )
     if quick:
         s.update(
-            preset="small", sft_steps=3, reps=1, grpo_iters=2, rollout_rounds=1, rollout_prompts=16,
+            preset="small", sft_steps=3, reps=1, grpo_iters=2, grpo_reps=1, grpo_large=None, rollout_rounds=1,
+            rollout_prompts=16,
             scaling_sizes=(1, 4), scaling_workers=(1,), overhead_reps=2,
         )  # fmt: skip
     for k in ("reps", "sft_steps", "grpo_iters", "threads"):
@@ -189,7 +193,13 @@ class Bench:
 
         return DataConfig(n_train=200, n_eval=8, families=["arithmetic"], seed=0)
 
-    def posttrain_grpo(self) -> dict:
+    def grpo_setting(self, large: bool = False) -> dict:
+        s = self.s
+        if large:
+            return dict(s["grpo_large"])
+        return dict(prompts=s["grpo_prompts"], n=s["grpo_n"], max_tokens=s["grpo_max_tokens"], iters=s["grpo_iters"])
+
+    def posttrain_grpo(self, g: dict, rep: int = 0) -> dict:
         from flows.rlhf import rlhf_flow
         from posttrain_core.config import RLHFFlowConfig
 
@@ -200,11 +210,11 @@ class Bench:
             model={"path": self.model.path},
             pretrain=None,
             sft=None,
-            iterations=s["grpo_iters"],
-            rollout={"n": s["grpo_n"], "max_prompts": s["grpo_prompts"], "max_tokens": s["grpo_max_tokens"],
-                     "temperature": 1.0, "num_engines": 2, "batch_size": s["grpo_prompts"]},
-            rl={"algorithm": "grpo", "num_workers": 2, "mini_batches": 1, "ppo_epochs": 1,
-                "micro_batch_size": s["grpo_prompts"] * s["grpo_n"], "kl_coef": s["kl_coef"], "lr": 5e-4,
+            iterations=g["iters"],
+            rollout={"n": g["n"], "max_prompts": g["prompts"], "max_tokens": g["max_tokens"], "seed": rep,
+                     "temperature": 1.0, "num_engines": 2, "batch_size": g["prompts"]},
+            rl={"algorithm": "grpo", "num_workers": 2, "mini_batches": 1, "ppo_epochs": 1, "seed": rep,
+                "micro_batch_size": g["prompts"] * g["n"], "kl_coef": s["kl_coef"], "lr": 5e-4,
                 "gradient_checkpointing": s["gradient_checkpointing"]},
             eval={"max_prompts": 4, "max_new_tokens": 8, "num_workers": 1},
             eval_samples=0,
@@ -214,14 +224,14 @@ class Bench:
         last = self.store.manifest(result["policy"])["metrics"]
         return {"step_seconds": [t["wall_s"] for t in timings], "timings": timings, "peak_rss_mb": last["peak_rss_mb"]}
 
-    def trl_grpo(self) -> dict:
+    def trl_grpo(self, g: dict, rep: int = 0) -> dict:
         from posttrain_core.data.io import read_dataset
         from posttrain_core.data.prepare import run_prepare_data
 
         s = self.s
         data = run_prepare_data(self.grpo_data_cfg(), self.store)  # the flow's own prompts (a cache hit there)
         table = read_dataset(self.store.local_path(data.prompts), "prompts")
-        need = s["grpo_iters"] * s["grpo_prompts"]
+        need = g["iters"] * g["prompts"]
         rows = [
             {
                 "prompt": table.column("messages")[i % table.num_rows].as_py(),
@@ -233,8 +243,8 @@ class Bench:
         write_json(work / "data.json", rows)
         spec = dict(
             mode="grpo", model=self.model.path, data=str(work / "data.json"), workdir=str(work / "out"),
-            steps=s["grpo_iters"], prompts=s["grpo_prompts"], n=s["grpo_n"], max_tokens=s["grpo_max_tokens"],
-            temperature=1.0, kl_coef=s["kl_coef"], lr=5e-4, seed=0, threads=s["threads"],
+            steps=g["iters"], prompts=g["prompts"], n=g["n"], max_tokens=g["max_tokens"],
+            temperature=1.0, kl_coef=s["kl_coef"], lr=5e-4, seed=rep, threads=s["threads"],
             gradient_checkpointing=s["gradient_checkpointing"],
             out=str(work / "result.json"),
         )  # fmt: skip
@@ -244,14 +254,27 @@ class Bench:
         out = json.loads((work / "result.json").read_text())
         return {"step_seconds": out["step_seconds"], "peak_rss_mb": out["peak_rss_mb"]}
 
-    def grpo_compare(self) -> dict:
-        p = self.posttrain_grpo()
-        _log(f"grpo posttrain: {[round(x, 1) for x in p['step_seconds']]} s/iteration")
-        t = self.trl_grpo()
-        _log(f"grpo trl: {[round(x, 1) for x in t['step_seconds']]} s/step")
-        for r in (p, t):
-            r["s_per_step"] = median(r["step_seconds"][1:] or r["step_seconds"])
-        return {"posttrain": p, "trl": t}
+    def grpo_compare(self, large: bool = False) -> dict:
+        """Each contender `grpo_reps` times, alternating who goes first; s/step = median over every run's steps
+        2..N (step 1 starts engines and workers); a run's seed is its repetition (no posttrain cache hits)."""
+        g = self.grpo_setting(large)
+        runs: dict[str, list[dict]] = {"posttrain": [], "trl": []}
+        for rep in range(1 if large else self.s["grpo_reps"]):
+            contenders = [("posttrain", self.posttrain_grpo), ("trl", self.trl_grpo)]
+            for name, fn in contenders if rep % 2 == 0 else contenders[::-1]:
+                r = fn(g, rep)
+                runs[name].append(r)
+                _log(f"grpo{' large' if large else ''} rep {rep} {name}: {[round(x, 2) for x in r['step_seconds']]} s")
+        out: dict = {"setting": g}
+        for name, rs in runs.items():
+            steps = [x for r in rs for x in (r["step_seconds"][1:] or r["step_seconds"])]
+            out[name] = {
+                "s_per_step": median(steps),
+                "step_seconds": [r["step_seconds"] for r in rs],
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+                "timings": [t for r in rs for t in r.get("timings", [])[1:]],
+            }
+        return out
 
     # --------------------------------------------------------------------------------------------- rollout
     def rollout_compare(self) -> dict:
@@ -404,6 +427,11 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
     g = res["grpo"]
     row("GRPO s/step (rollout + reward + update)", g["posttrain"]["s_per_step"], g["trl"]["s_per_step"], False,
         "{:,.2f}")  # fmt: skip
+    gl = res.get("grpo_large")
+    if gl:
+        st = gl["setting"]
+        row(f"GRPO s/step, {st['prompts']} prompts x {st['n']}, {st['max_tokens']} tokens", gl["posttrain"]["s_per_step"],
+            gl["trl"]["s_per_step"], False, "{:,.2f}")  # fmt: skip
     r = res["rollout"]
     row("rollout generated tokens/s", r["posttrain"]["tokens_per_s"], r["trl"]["tokens_per_s"])
     row("peak RSS MiB, SFT training process, 1 worker", sft1["posttrain"]["peak_rss_mb"], sft1["trl"]["peak_rss_mb"],
@@ -429,7 +457,8 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         f"threads: {s['threads']} for 1 worker/process, {max(1, s['threads'] // 2)} per rank for 2; "
         f"medians of {s['reps']} repetitions, contenders alternating",
         f"GRPO: {s['grpo_prompts']} prompts x group {s['grpo_n']}, max_tokens {s['grpo_max_tokens']}, temperature 1, "
-        f"kl {s['kl_coef']} (k3, in the loss), 1 optimizer step per step, {s['grpo_iters']} steps (median of 2..N); "
+        f"kl {s['kl_coef']} (k3, in the loss), 1 optimizer step per step, {s['grpo_iters']} steps per run, "
+        f"{s['grpo_reps']} runs each, alternating (median of steps 2..N of all runs); "
         f"posttrain: rlhf_flow (2 hf engine actors + 2 DDP update workers, 1 thread each), TRL: GRPOTrainer in "
         f"1 process, {s['threads']} threads",
         f"rollout: {s['rollout_prompts']} prompts x n={s['rollout_n']}, max_tokens {s['rollout_max_tokens']}, "
@@ -452,13 +481,15 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         f"square 1024/2048 fp32 products sampled next to every SFT repetition in this run; model FLOP/s = "
         f"(6 x params x tokens + 12 x layers x heads x head_dim x sum(len^2)) / step time",
     ]
-    pt = g["posttrain"]["timings"][1:] or g["posttrain"]["timings"]
-    if pt:
-        parts = ("generate_s", "score_s", "train_s", "startup_s", "orchestration_s")
-        med = {p: median([t[p] for t in pt]) for p in parts}
-        lines.append(
-            "posttrain GRPO iteration (median s): " + ", ".join(f"{p[:-2]} {med[p]:.2f}" for p in parts)
-        )  # fmt: skip
+    parts = ("generate_s", "score_s", "train_s", "startup_s", "orchestration_s")
+    for label, res_g in (("GRPO", g), ("GRPO large", gl)):
+        pt = res_g["posttrain"]["timings"] if res_g else []
+        if pt:
+            med = {p: median([t[p] for t in pt]) for p in parts}
+            lines.append(
+                f"posttrain {label} iteration (median s, steps 2..N): "
+                + ", ".join(f"{p[:-2]} {med[p]:.2f}" for p in parts)
+            )  # fmt: skip
     sc = res["scaling"]
     lines += ["", "SFT scaling (posttrain stage wall s, cold worker start to published model)",
               "| dataset | examples | steps | " + " | ".join(f"{w} worker{'s' if w > 1 else ''}" for w in
@@ -542,6 +573,8 @@ def main(argv: list[str] | None = None) -> None:
             res["mfu"][name] = median(per_rep)
         res["rollout"] = b.rollout_compare()
         res["grpo"] = b.grpo_compare()
+        if s["grpo_large"]:
+            res["grpo_large"] = b.grpo_compare(large=True)
         res["scaling"] = b.scaling(res["sft1"], res.get("sft2"))
         res["overhead"] = b.overhead()
         res["load"]["end"] = os.getloadavg()[0]

@@ -201,7 +201,9 @@ class RolloutConfig(_Config):
     stop: list[str] = Field(default_factory=list, description="extra stop strings (eos always stops)")
     seed: int = Field(0, description="sampling seed: same seed, same samples")
     num_engines: int = Field(2, ge=1, description="engine actors")
-    batch_size: int = Field(32, ge=1, description="prompts per engine call")
+    batch_size: int = Field(
+        32, ge=1, description="most prompts per engine call (fewer prompts than engines x batch_size are split evenly)"
+    )
     max_prompts: int | None = Field(None, ge=1, description="use only N prompts (the RL flow: prompts per iteration)")
     prompt_start: int = Field(
         0, ge=0, description="first prompt of the window of max_prompts (wraps around the end of the dataset)"

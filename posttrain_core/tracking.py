@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 import os
@@ -181,8 +182,10 @@ class RunLogger:
         self._client().log_artifact(self.run_id, str(path))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        for k, v in tags.items():
-            self._client().set_tag(self.run_id, k, str(v))
+        from mlflow.entities import RunTag
+
+        if tags:
+            self._client().log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
 def _owner_tags() -> dict[str, str]:
@@ -310,6 +313,12 @@ def current_parent() -> str | None:
     return _PARENT.get()
 
 
+@functools.lru_cache(maxsize=256)
+def _experiment_of(store_root: str | os.PathLike | None, run_id: str) -> str:
+    """The experiment of a run: fixed for the run's life, so looked up once per process, not once per stage."""
+    return client(store_root).get_run(run_id).info.experiment_id
+
+
 @contextlib.contextmanager
 def stage_run(
     store_root: str | os.PathLike | None, stage: str, params: Mapping[str, Any], tags: Mapping[str, Any] | None = None
@@ -318,7 +327,7 @@ def stage_run(
     cancelled (as `flow_run`)."""
     c = client(store_root)
     parent_id = _PARENT.get()
-    exp = c.get_run(parent_id).info.experiment_id if parent_id else experiment_id(store_root, _EXPERIMENT.get())
+    exp = _experiment_of(store_root, parent_id) if parent_id else experiment_id(store_root, _EXPERIMENT.get())
     all_tags = {"posttrain.stage": stage, **_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
     if parent_id:
         all_tags["mlflow.parentRunId"] = parent_id

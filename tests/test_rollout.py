@@ -171,6 +171,17 @@ def test_what_crosses_ray_pickles(tiny_inputs):
     assert pickle.loads(pickle.dumps(base)) == base
 
 
+def test_prompts_per_call_keeps_every_engine_busy():
+    from posttrain_core.rollout.stage import prompts_per_call
+
+    two = RolloutConfig(num_engines=2, batch_size=32)
+    assert prompts_per_call(two, 8) == 4  # one call of 8 would leave an engine idle
+    assert prompts_per_call(two, 9) == 5  # 5 + 4
+    assert prompts_per_call(two, 256) == 32  # enough work: batch_size caps it
+    assert prompts_per_call(two, 1) == 1
+    assert prompts_per_call(RolloutConfig(num_engines=1, batch_size=32), 8) == 8
+
+
 POOL_CFG = RolloutConfig(n=3, temperature=1.0, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=11)
 
 

@@ -117,6 +117,16 @@ class RolloutWorker:
         return out.append_column(_SECONDS, pa.array([seconds / max(n, 1)] * n, pa.float64()))
 
 
+def prompts_per_call(cfg: RolloutConfig, n_prompts: int) -> int:
+    """Prompts per engine call: `cfg.batch_size`, or fewer when that would leave engines idle.
+
+    With 8 prompts, batch_size 32 and 2 engines, one call of 8 would keep the second engine idle and the first
+    generating for both; two calls of 4 finish in about half the time. The samples do not depend on it (each draws
+    from its own seeded stream), up to the float rounding that a batch's padding can change (see `HFEngine`).
+    """
+    return max(1, min(cfg.batch_size, -(-n_prompts // cfg.num_engines)))
+
+
 def _keep_prompts(batch: pa.Table, ids: list[str]) -> pa.Table:
     import pyarrow.compute as pc
 
@@ -265,10 +275,10 @@ def run_rollout(
 ) -> ArtifactRef:
     """Sample `cfg.n` responses to every prompt with `policy`; publish them as a `rollouts` dataset.
 
-    Without `engines`, Ray Data reads the prompts' parquet files, cuts them into blocks of `cfg.batch_size` prompts
+    Without `engines`, Ray Data reads the prompts' parquet files, cuts them into blocks of `prompts_per_call` prompts
     and streams them through an actor pool of `cfg.num_engines` engines (`RolloutWorker`) that lives for this stage.
     With `engines` (a pool name, `posttrain_core.rollout.warm`), the pool's long-lived actors take the policy's
-    weights (vLLM: in place) and the driver hands them batches of `cfg.batch_size` prompts. Either way the driver
+    weights (vLLM: in place) and the driver hands them batches of `prompts_per_call` prompts. Either way the driver
     checks that every prompt got exactly n samples from the right policy, sorts them by (prompt order,
     sample_index) and writes them; both paths give the same rows (each sample has its own seeded stream).
 
@@ -291,6 +301,7 @@ def run_rollout(
     ids = table.column("prompt_id").to_pylist()
     params = sampling_settings(cfg)
     model_path = str(store.local_path(policy))
+    per_call = prompts_per_call(cfg, len(ids))
 
     def generate_on_stage_actors() -> list[pa.Table]:
         import ray
@@ -298,8 +309,8 @@ def run_rollout(
         ds = ray.data.read_parquet(_dataset_files(store, prompts), columns=["prompt_id", "messages", "answer"])
         if cfg.max_prompts or cfg.families:
             ds = ds.map_batches(_keep_prompts, fn_kwargs={"ids": ids}, batch_format="pyarrow")
-        # Blocks of batch_size prompts, so that the pool's actors share the work even with one parquet file.
-        ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
+        # Blocks of per_call prompts, so that the pool's actors share the work even with one parquet file.
+        ds = ds.repartition(target_num_rows_per_block=per_call)
         ds = ds.map_batches(
             RolloutWorker,
             fn_constructor_kwargs=dict(
@@ -311,7 +322,7 @@ def run_rollout(
                 num_threads=max(1, (os.cpu_count() or 1) // cfg.num_engines),
             ),
             compute=ray.data.ActorPoolStrategy(size=cfg.num_engines),
-            batch_size=cfg.batch_size,
+            batch_size=per_call,
             batch_format="pyarrow",
             **_engine_resources(cfg),
         )
@@ -331,7 +342,7 @@ def run_rollout(
 
             pool = get_pool(engines)
             rows = table.select(["prompt_id", "messages", "answer"])
-            batches = [rows.slice(i, cfg.batch_size) for i in range(0, rows.num_rows, cfg.batch_size)]
+            batches = [rows.slice(i, per_call) for i in range(0, rows.num_rows, per_call)]
             with pool.lock:
                 load = pool.load(cfg, model_path, policy.digest, params)
                 parts = pool.generate(batches, params)
