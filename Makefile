@@ -46,7 +46,7 @@ clean:
 	rm -rf .posttrain
 
 # posttrain vs TRL side by side (bench/README.md): TRL goes into .venv-bench, layered on the main venv (nothing else
-# installed; torch and transformers stay). ~12-16 min on 2 cores; `make bench BENCH_ARGS=--quick` is a ~6 min smoke run.
+# installed; torch and transformers stay). ~8 min on 2 idle cores (more under load); `make bench BENCH_ARGS=--quick` is a ~5 min smoke run.
 bench: $(STAMP)
 	bash bench/setup_venv.sh $(VENV) .venv-bench
 	.venv-bench/bin/python -m bench.trl_bench $(BENCH_ARGS)
