@@ -265,4 +265,8 @@ def save_checkpoint(
 def enable_gradient_checkpointing(model: Any) -> None:
     """Recompute each decoder layer's activations in the backward pass (non-reentrant checkpoints, which need no
     input that requires grad, so they also work with frozen embeddings under LoRA)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns, removed in 6)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
