@@ -131,6 +131,7 @@ def vllm_engine(model_path: str, prompts: pa.Table, args) -> Callable[[], int]:
             tokens += sum(len(x) for x in out.column("response_ids").to_pylist())
         return tokens
 
+    run.actor = actor  # type: ignore[attr-defined]  # for callers that stop it (ray.kill) when done
     return run
 
 

@@ -278,8 +278,14 @@ class Bench:
 
     # --------------------------------------------------------------------------------------------- rollout
     def rollout_compare(self) -> dict:
+        """posttrain's hf engine and TRL's generation path in this process, alternating rounds; then, where the
+        vLLM environment is usable, posttrain's vLLM engine (an actor in that environment, same threads) against
+        TRL's path again in alternating rounds (else the reason it was skipped)."""
+        import argparse
+
         import torch
 
+        from bench.rollout_bench import vllm_engine
         from posttrain_core.data.synthetic import make_problems, prompts_table
         from posttrain_core.rollout.engine import SamplingSettings
         from posttrain_core.rollout.hf_engine import HFEngine
@@ -295,10 +301,30 @@ class Bench:
             return sum(len(x) for x in out.column("response_ids").to_pylist())
 
         trl = trl_generator(self.model.path, prompts, s["rollout_n"], s["rollout_max_tokens"], self.root)
+        out = self._alternate(posttrain, trl)
+        try:
+            args = argparse.Namespace(n=s["rollout_n"], temperature=1.0, top_p=1.0, max_tokens=s["rollout_max_tokens"],
+                                      batch_size=s["rollout_prompts"], threads=s["threads"])  # fmt: skip
+            vllm = vllm_engine(self.model.path, prompts, args)
+        except Exception as err:  # noqa: BLE001 - an optional contender: reported, not fatal
+            out["vllm_skipped"] = f"{type(err).__name__}: {str(err)[:200]}"
+            _log(f"vLLM rollout skipped: {out['vllm_skipped']}")
+        else:
+            try:
+                vs = self._alternate(vllm, trl)
+                out["vllm"], out["trl_vllm_round"] = vs["posttrain"], vs["trl"]
+            finally:
+                import ray
+
+                ray.kill(vllm.actor)  # it holds the CPUs the GRPO comparison needs next
+        return out
+
+    def _alternate(self, ours, trl) -> dict:
+        """Generated tokens/s of `ours` and `trl` over `rollout_rounds` alternating rounds after one warm-up each."""
         rates: dict[str, list[float]] = {"posttrain": [], "trl": []}
-        posttrain(), trl()  # warm-up
-        for rnd in range(s["rollout_rounds"]):
-            pairs = [("posttrain", posttrain), ("trl", trl)]
+        ours(), trl()  # warm-up
+        for rnd in range(self.s["rollout_rounds"]):
+            pairs = [("posttrain", ours), ("trl", trl)]
             for name, fn in pairs if rnd % 2 == 0 else pairs[::-1]:
                 with Timer() as t:
                     tokens = fn()
@@ -433,7 +459,10 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         row(f"GRPO s/step, {st['prompts']} prompts x {st['n']}, {st['max_tokens']} tokens", gl["posttrain"]["s_per_step"],
             gl["trl"]["s_per_step"], False, "{:,.2f}")  # fmt: skip
     r = res["rollout"]
-    row("rollout generated tokens/s", r["posttrain"]["tokens_per_s"], r["trl"]["tokens_per_s"])
+    row("rollout generated tokens/s (hf engine)", r["posttrain"]["tokens_per_s"], r["trl"]["tokens_per_s"])
+    if "vllm" in r:
+        row("rollout generated tokens/s (vLLM engine, CPU)", r["vllm"]["tokens_per_s"],
+            r["trl_vllm_round"]["tokens_per_s"])  # fmt: skip
     row("peak RSS MiB, SFT training process, 1 worker", sft1["posttrain"]["peak_rss_mb"], sft1["trl"]["peak_rss_mb"],
         False)  # fmt: skip
     if sft2:
@@ -462,7 +491,9 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         f"posttrain: rlhf_flow (2 hf engine actors + 2 DDP update workers, 1 thread each), TRL: GRPOTrainer in "
         f"1 process, {s['threads']} threads",
         f"rollout: {s['rollout_prompts']} prompts x n={s['rollout_n']}, max_tokens {s['rollout_max_tokens']}, "
-        f"temperature 1, one batch, {s['threads']} threads, in one process, median of {s['rollout_rounds']} rounds",
+        f"temperature 1, one batch, {s['threads']} threads, median of {s['rollout_rounds']} alternating rounds; hf "
+        f"engine and TRL in this process, the vLLM engine (where its environment is usable) in a Ray actor of its own "
+        f"with the same threads, against TRL again in rounds of its own",
         "",
         f"| {'measure':<{w}} | {'posttrain':>10} | {'TRL':>10} | {'ratio':>6} |",
         f"|{'-' * (w + 2)}|{'-' * 12}|{'-' * 12}|{'-' * 8}|",
@@ -474,6 +505,8 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         lines.append(f"| {label:<{w}} | {ps:>10} | {ts:>10} | {rs:>6} |")
     if not sft2:
         lines.append(f"(2-worker SFT skipped: {res.get('sft2_skipped', 'not run')})")
+    if "vllm_skipped" in r:
+        lines.append(f"(vLLM rollout row skipped: {r['vllm_skipped']})")
     lines += [
         "",
         f"MFU: machine dense fp32 matmul peak {mfu['peak_flops'] / 1e9:.1f} GFLOP/s = max(best at {s['threads']} "
