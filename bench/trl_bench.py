@@ -307,7 +307,7 @@ class Bench:
                                       batch_size=s["rollout_prompts"], threads=s["threads"])  # fmt: skip
             vllm = vllm_engine(self.model.path, prompts, args)
         except Exception as err:  # noqa: BLE001 - an optional contender: reported, not fatal
-            out["vllm_skipped"] = f"{type(err).__name__}: {str(err)[:200]}"
+            out["vllm_skipped"] = f"{type(err).__name__}: {str(err)[:500]}"
             _log(f"vLLM rollout skipped: {out['vllm_skipped']}")
         else:
             try:
