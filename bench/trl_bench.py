@@ -172,7 +172,7 @@ class Bench:
             if workers == 1:  # the machine's matmul FLOP/s, sampled next to every repetition (load varies)
                 self.peak_samples.append((self.matmul_flops(self.s["threads"]), self.matmul_flops(1)))
             contenders = [("posttrain", self.posttrain_sft), ("trl", self.trl_sft)]
-            for name, fn in contenders if rep % 2 == 0 else contenders[::-1]:
+            for name, fn in _in_turn(contenders, rep):
                 r = fn(n, workers, rep)
                 r["tokens_per_s"] = sum(tokens[1:]) / sum(r["step_seconds"][1:])
                 runs[name].append(r)
@@ -261,7 +261,7 @@ class Bench:
         runs: dict[str, list[dict]] = {"posttrain": [], "trl": []}
         for rep in range(1 if large else self.s["grpo_reps"]):
             contenders = [("posttrain", self.posttrain_grpo), ("trl", self.trl_grpo)]
-            for name, fn in contenders if rep % 2 == 0 else contenders[::-1]:
+            for name, fn in _in_turn(contenders, rep):
                 r = fn(g, rep)
                 runs[name].append(r)
                 _log(f"grpo{' large' if large else ''} rep {rep} {name}: {[round(x, 2) for x in r['step_seconds']]} s")
@@ -325,7 +325,7 @@ class Bench:
         ours(), trl()  # warm-up
         for rnd in range(self.s["rollout_rounds"]):
             pairs = [("posttrain", ours), ("trl", trl)]
-            for name, fn in pairs if rnd % 2 == 0 else pairs[::-1]:
+            for name, fn in _in_turn(pairs, rnd):
                 with Timer() as t:
                     tokens = fn()
                 rates[name].append(tokens / t.seconds)
@@ -426,6 +426,11 @@ def _run(cmd: list[str], env: dict, log: Path) -> None:
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({proc.returncode}); last lines:\n" +
                            "\n".join(log.read_text().splitlines()[-30:]))  # fmt: skip
+
+
+def _in_turn(contenders: list, rep: int) -> list:
+    """The contenders in the order of repetition `rep`: who goes first alternates, so machine load hits both alike."""
+    return contenders if rep % 2 == 0 else contenders[::-1]
 
 
 def _log(msg: str) -> None:

@@ -125,6 +125,11 @@ class MetricsRelay:
         self.tracker = tracker
         self.offset = os.path.getsize(path) if os.path.exists(path) else 0
 
+    @classmethod
+    def in_folder(cls, folder: str | os.PathLike, tracker: RunLogger) -> MetricsRelay:
+        """The relay of a stage's working folder (`metrics.jsonl` there): what the training stages use."""
+        return cls(Path(folder) / "metrics.jsonl", tracker)
+
     def pump(self) -> int:
         """Log the complete lines written since the last call; returns how many. Never raises: a tracking hiccup
         must not fail the training it watches (the lines stay in the file)."""

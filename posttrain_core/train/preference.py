@@ -464,7 +464,7 @@ def _launch(job: PreferenceJob, relay: MetricsRelay) -> dict:
 def _job(
     objective: Literal["rm", "dpo"], cfg, data_path: str, model_path: str, ctx: StageContext
 ) -> tuple[PreferenceJob, MetricsRelay]:
-    relay = MetricsRelay(ctx.workdir / "metrics.jsonl", ctx.tracker)
+    relay = MetricsRelay.in_folder(ctx.workdir, ctx.tracker)
     fail = os.environ.get(FAULT_ENV)
     injected = (ctx.workdir / "fault-injected").exists()
     return PreferenceJob(

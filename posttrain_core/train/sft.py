@@ -53,7 +53,7 @@ def _run_training(
         from posttrain_core.cluster import WorkerGroup
         from posttrain_core.tracking import MetricsRelay
 
-        relay = MetricsRelay(ctx.workdir / "metrics.jsonl", ctx.tracker)
+        relay = MetricsRelay.in_folder(ctx.workdir, ctx.tracker)
         fail = os.environ.get(FAULT_ENV)
         injected = (ctx.workdir / "fault-injected").exists()
         job = TrainJob(
