@@ -2,19 +2,29 @@
 
 Everything goes through an explicit `MlflowClient` and run ids (no fluent active-run state), so stages running in
 Prefect task threads and Ray workers in other processes can all log to the right run.
+
+A stage's records (params, inputs, metrics, its manifest, closing tags and status) are written by one background
+thread per process, in the order they were made (`_Writer`): each is a SQLite commit of 5-10 ms, ~60 ms per stage,
+which no longer sits between one stage and the next. The lag is bounded: the next stage's run is created after every
+earlier record is written, `flush()` waits for them, the flow's run flushes before it ends, and so does the process
+at exit. `client()` flushes first, so reads through it see every record made before.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import functools
 import json
 import logging
 import os
+import queue
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +45,74 @@ def tracking_uri(store_root: str | os.PathLike | None = None) -> str:
     return f"sqlite:///{root.resolve()}/mlflow.db"
 
 
+class _Writer:
+    """One daemon thread that runs tracking writes in submission order.
+
+    A failed write is logged and counted (`errors`), never raised into the stage that made it: the stage's artifact
+    and manifest are already safe, and a tracking hiccup must not fail the training behind them. `call` waits for
+    its own write, hence for every write submitted before it.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, Callable[[], Any], Future, bool] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.errors: list[str] = []
+
+    def submit(self, what: str, fn: Callable[[], Any], report: bool = True) -> Future:
+        """Queue `fn`; `report`: log and count its failure (a write nobody waits for)."""
+        future: Future = Future()
+        if threading.current_thread() is self._thread:  # a write made by a write: run it now (no deadlock)
+            self._run(what, fn, future, report)
+            return future
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="posttrain-tracking", daemon=True)
+                self._thread.start()
+        self._queue.put((what, fn, future, report))
+        return future
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the writer after everything queued before it, and return its result (or raise its error)."""
+        return self.submit(what, fn, report=False).result()
+
+    def flush(self) -> list[str]:
+        """Wait until every write submitted so far is done; returns the errors since the last flush."""
+        if self._thread is not None and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self.submit("flush", lambda: None, report=False).result()
+        with self._lock:
+            errors, self.errors = self.errors, []
+        return errors
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._run(*item)
+
+    def _run(self, what: str, fn: Callable[[], Any], future: Future, report: bool) -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as err:  # noqa: BLE001 - recorded on the future; logged for fire-and-forget writes
+            future.set_exception(err)
+            if not report:
+                return
+            log.warning("MLflow: could not %s: %s: %s", what, type(err).__name__, err)
+            with self._lock:
+                self.errors.append(f"{what}: {type(err).__name__}: {err}")
+
+
+_WRITER = _Writer()
+atexit.register(_WRITER.flush)
+
+
+def flush() -> list[str]:
+    """Wait until this process's tracking records are all written; returns the writes that failed since the last
+    flush (each also logged as a warning when it failed)."""
+    return _WRITER.flush()
+
+
 def client(store_root: str | os.PathLike | None = None):
+    """An MLflow client on the store's tracking URI, after this process's pending records are written."""
+    _WRITER.flush()
     apply_defaults()
     from mlflow.tracking import MlflowClient
 
@@ -152,22 +229,37 @@ class MetricsRelay:
 
 
 class RunLogger:
-    """Logs params, metrics and artifacts to one MLflow run by id (picklable: safe to send to a Ray worker)."""
+    """Logs params, metrics and artifacts to one MLflow run by id (picklable: safe to send to a Ray worker).
 
-    def __init__(self, uri: str, run_id: str):
-        self.uri, self.run_id = uri, run_id
+    With `background=True` (the loggers of `flow_run` and `stage_run`) each call only captures its values and queues
+    the write (see `_Writer`); a write that fails is logged, not raised. Without it every call writes before
+    returning.
+    """
+
+    def __init__(self, uri: str, run_id: str, background: bool = False):
+        self.uri, self.run_id, self.background = uri, run_id, background
 
     def _client(self):
         from mlflow.tracking import MlflowClient
 
         return MlflowClient(tracking_uri=self.uri)
 
+    def _write(self, what: str, fn: Callable[[], Any]) -> None:
+        if self.background:
+            _WRITER.submit(f"{what} of run {self.run_id}", fn)
+        else:
+            fn()
+
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
         items = [Param(k, str(v)) for k, v in flatten(params).items()]
-        for i in range(0, len(items), 100):
-            self._client().log_batch(self.run_id, params=items[i : i + 100])
+
+        def write() -> None:
+            for i in range(0, len(items), 100):
+                self._client().log_batch(self.run_id, params=items[i : i + 100])
+
+        self._write("log params", write)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         from mlflow.entities import Metric
@@ -175,22 +267,29 @@ class RunLogger:
         ts = int(time.time() * 1000)
         items = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items() if v is not None]
         if items:
-            self._client().log_batch(self.run_id, metrics=items)
+            self._write("log metrics", lambda: self._client().log_batch(self.run_id, metrics=items))
 
     def log_dict(self, obj: Any, name: str) -> None:
-        with tempfile.TemporaryDirectory() as d:
-            path = Path(d) / name
-            path.write_text(json.dumps(obj, indent=2, default=str))
-            self._client().log_artifact(self.run_id, str(path))
+        text = json.dumps(obj, indent=2, default=str)  # now: the caller may change `obj` after this returns
+
+        def write() -> None:
+            with tempfile.TemporaryDirectory() as d:
+                path = Path(d) / name
+                path.write_text(text)
+                self._client().log_artifact(self.run_id, str(path))
+
+        self._write(f"log {name}", write)
 
     def log_artifact(self, path: str | os.PathLike) -> None:
-        self._client().log_artifact(self.run_id, str(path))
+        """Copies the file at `path`, which must stay as it is until `flush()` when the logger is `background`."""
+        self._write(f"log artifact {path}", lambda: self._client().log_artifact(self.run_id, str(path)))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
         if tags:
-            self._client().log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+            items = [RunTag(k, str(v)) for k, v in tags.items()]
+            self._write("set tags", lambda: self._client().log_batch(self.run_id, tags=items))
 
 
 def _owner_tags() -> dict[str, str]:
@@ -249,9 +348,9 @@ def end_orphaned_runs(store_root: str | os.PathLike | None) -> int:
 
 
 @contextlib.contextmanager
-def _ended(c, run_id: str) -> Iterator[None]:
+def _ended(c, run_id: str, background: bool = False) -> Iterator[None]:
     """End the run when the block exits: FINISHED; FAILED for an error; KILLED for a cancellation (a BaseException:
-    Prefect's termination signal, Ctrl-C, exit)."""
+    Prefect's termination signal, Ctrl-C, exit). `background`: queue the write (see `_Writer`)."""
     status = "KILLED"
     try:
         yield
@@ -260,7 +359,10 @@ def _ended(c, run_id: str) -> Iterator[None]:
         status = "KILLED" if _interrupted(err) else "FAILED"
         raise
     finally:
-        c.set_terminated(run_id, status)
+        if background:
+            _WRITER.submit(f"end run {run_id} ({status})", lambda: c.set_terminated(run_id, status))
+        else:
+            c.set_terminated(run_id, status)
 
 
 def _interrupted(err: BaseException) -> bool:
@@ -291,11 +393,17 @@ def flow_run(
     exp = experiment_id(store_root, experiment)
     run_tags = {**_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
     run = c.create_run(exp, run_name=name, tags=run_tags)
-    logger = RunLogger(tracking_uri(store_root), run.info.run_id)
+    logger = RunLogger(tracking_uri(store_root), run.info.run_id, background=True)
     token, etoken = _PARENT.set(run.info.run_id), _EXPERIMENT.set(experiment)
     try:
         with _ended(c, run.info.run_id):
-            yield logger
+            try:
+                yield logger
+            finally:  # the stages' records are written before the flow's run ends
+                errors = flush()
+                if errors:
+                    log.warning("%d MLflow writes of this flow run failed (first: %s)", len(errors), errors[0])
+                    c.set_tag(run.info.run_id, "posttrain.tracking_errors", str(len(errors)))
     finally:
         _PARENT.reset(token)
         _EXPERIMENT.reset(etoken)
@@ -329,17 +437,21 @@ def stage_run(
     store_root: str | os.PathLike | None, stage: str, params: Mapping[str, Any], tags: Mapping[str, Any] | None = None
 ) -> Iterator[RunLogger]:
     """A run for one stage, nested under the current parent run if there is one; FAILED on error, KILLED when
-    cancelled (as `flow_run`)."""
+    cancelled (as `flow_run`).
+
+    The run is created before the block starts (its id goes into the artifact's manifest); everything else is
+    written in the background (`_Writer`), the earlier stages' records first.
+    """
     c = client(store_root)
     parent_id = _PARENT.get()
     exp = _experiment_of(store_root, parent_id) if parent_id else experiment_id(store_root, _EXPERIMENT.get())
     all_tags = {"posttrain.stage": stage, **_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
     if parent_id:
         all_tags["mlflow.parentRunId"] = parent_id
-    run = c.create_run(exp, run_name=stage, tags=all_tags)
-    logger = RunLogger(tracking_uri(store_root), run.info.run_id)
+    run = _WRITER.call(f"create the {stage} run", lambda: c.create_run(exp, run_name=stage, tags=all_tags))
+    logger = RunLogger(tracking_uri(store_root), run.info.run_id, background=True)
     logger.log_params(params)
-    with _ended(c, run.info.run_id):
+    with _ended(c, run.info.run_id, background=True):
         yield logger
 
 
@@ -354,4 +466,4 @@ def log_inputs(logger: RunLogger, inputs: Mapping[str, Any]) -> None:
         ds = MetaDataset(LocalArtifactDatasetSource(ref.uri), name=f"{name}:{ref.key[:12]}", digest=ref.digest[:36])
         datasets.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", name)]))
     if datasets:
-        logger._client().log_inputs(logger.run_id, datasets=datasets)
+        logger._write("log inputs", lambda: logger._client().log_inputs(logger.run_id, datasets=datasets))

@@ -93,3 +93,40 @@ def test_a_failing_tracking_store_does_not_fail_the_relay(tmp_path, caplog):
     relay = tracking.MetricsRelay(tmp_path / "m.jsonl", Broken())
     relay.sink.log_metrics({"train/loss": 1.0}, step=1)
     assert relay.pump() == 1 and "tracking server down" in caplog.text
+
+
+def test_stage_records_are_written_in_the_background_and_complete_after_flush(tmp_path):
+    """A stage's closing records leave its critical path; `client()` (and the flow's end) waits for them."""
+    import threading
+
+    with tracking.flow_run(None, "background-test", "flow") as flow:
+        with tracking.stage_run(None, "stage", {"config": {"lr": 0.1}}) as run:
+            # The writer is busy: these calls queue and return at once, in order.
+            gate = threading.Event()
+            tracking._WRITER.submit("hold the writer", lambda: gate.wait(30))
+            run.log_metrics({"loss": 2.0}, step=1)
+            run.log_metrics({"loss": 1.0}, step=2)
+            run.set_tags({"posttrain.artifact_uri": "file:///x"})
+            from mlflow.tracking import MlflowClient
+
+            raw = MlflowClient(tracking_uri=tracking.tracking_uri(None))
+            assert raw.get_metric_history(run.run_id, "loss") == []  # not written yet: the writer is held
+            gate.set()
+        flow_id = flow.run_id
+    c = tracking.client()  # flushes first
+    data = c.get_run(run.run_id)
+    assert [m.value for m in c.get_metric_history(run.run_id, "loss")] == [2.0, 1.0]
+    assert data.data.params["config.lr"] == "0.1" and data.data.tags["posttrain.artifact_uri"] == "file:///x"
+    assert data.info.status == "FINISHED" and c.get_run(flow_id).info.status == "FINISHED"
+
+
+def test_a_failing_background_write_is_logged_counted_and_tagged_not_raised(caplog):
+    with tracking.flow_run(None, "background-test", "flow") as flow:
+        with tracking.stage_run(None, "stage", {}) as run:
+            run.log_artifact("/nonexistent/file.png")  # fails in the writer, after this call returned
+            run.log_metrics({"after": 1.0})  # later writes still happen
+    c = tracking.client()
+    assert "could not log artifact /nonexistent/file.png" in caplog.text
+    assert c.get_run(flow.run_id).data.tags["posttrain.tracking_errors"] == "1"
+    assert c.get_run(run.run_id).data.metrics["after"] == 1.0 and c.get_run(run.run_id).info.status == "FINISHED"
+    assert tracking.flush() == []  # counted once, by the flow that saw it
