@@ -104,6 +104,12 @@ _WRITER = _Writer()
 atexit.register(_WRITER.flush)
 
 
+def in_background(what: str, fn: Callable[[], Any]) -> None:
+    """Run a record-keeping call (e.g. a Prefect artifact) on the tracking writer, after the records queued before it;
+    a failure is logged and counted like a failed MLflow write."""
+    _WRITER.submit(what, fn)
+
+
 def flush() -> list[str]:
     """Wait until this process's tracking records are all written; returns the writes that failed since the last
     flush (each also logged as a warning when it failed)."""

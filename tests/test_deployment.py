@@ -192,6 +192,10 @@ def test_deployment_run_completes_with_its_mlflow_run(server, tiny_config, tmp_p
     links = server.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
     link = next(a for a in links if a["key"] == "mlflow-run")
     assert f"/runs/{run.info.run_id}" in link["data"]  # the Prefect UI's link to the MLflow run
+    # Every stage's result table, posted in the background after its task returned, is attached to that task run.
+    tables = {a["key"]: a for a in links if a["key"].endswith("-result")}
+    assert {"sft-result", "pretrain-result"} <= set(tables), sorted(tables)
+    assert tables["sft-result"]["task_run_id"] and "mlflow_run_id" in tables["sft-result"]["data"]
 
 
 def test_a_run_cancelled_from_the_cli_resumes_when_run_again(server, tiny_config, tmp_path_factory):
