@@ -95,7 +95,7 @@ class _Writer:
             future.set_exception(err)
             if not report:
                 return
-            log.warning("MLflow: could not %s: %s: %s", what, type(err).__name__, err)
+            log.warning("tracking: could not %s: %s: %s", what, type(err).__name__, err)
             with self._lock:
                 self.errors.append(f"{what}: {type(err).__name__}: {err}")
 
@@ -408,7 +408,7 @@ def flow_run(
             finally:  # the stages' records are written before the flow's run ends
                 errors = flush()
                 if errors:
-                    log.warning("%d MLflow writes of this flow run failed (first: %s)", len(errors), errors[0])
+                    log.warning("%d tracking writes of this flow run failed (first: %s)", len(errors), errors[0])
                     c.set_tag(run.info.run_id, "posttrain.tracking_errors", str(len(errors)))
     finally:
         _PARENT.reset(token)
