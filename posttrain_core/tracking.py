@@ -54,7 +54,7 @@ class _Writer:
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[str, Callable[[], Any], Future, bool] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, Callable[[], Any], Future, bool]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.errors: list[str] = []
@@ -84,9 +84,9 @@ class _Writer:
             errors, self.errors = self.errors, []
         return errors
 
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            self._run(*item)
+    def _loop(self) -> None:  # a daemon: ends with the process, after the exit-time flush
+        while True:
+            self._run(*self._queue.get())
 
     def _run(self, what: str, fn: Callable[[], Any], future: Future, report: bool) -> None:
         try:
@@ -119,6 +119,11 @@ def flush() -> list[str]:
 def client(store_root: str | os.PathLike | None = None):
     """An MLflow client on the store's tracking URI, after this process's pending records are written."""
     _WRITER.flush()
+    return _unflushed_client(store_root)
+
+
+def _unflushed_client(store_root: str | os.PathLike | None = None):
+    """`client()` without waiting for pending records: for writers that are queued behind them anyway."""
     apply_defaults()
     from mlflow.tracking import MlflowClient
 
@@ -448,7 +453,7 @@ def stage_run(
     The run is created before the block starts (its id goes into the artifact's manifest); everything else is
     written in the background (`_Writer`), the earlier stages' records first.
     """
-    c = client(store_root)
+    c = _unflushed_client(store_root)  # the run is created on the writer, after the records queued before it
     parent_id = _PARENT.get()
     exp = _experiment_of(store_root, parent_id) if parent_id else experiment_id(store_root, _EXPERIMENT.get())
     all_tags = {"posttrain.stage": stage, **_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}

@@ -95,7 +95,7 @@ def test_a_failing_tracking_store_does_not_fail_the_relay(tmp_path, caplog):
     assert relay.pump() == 1 and "tracking server down" in caplog.text
 
 
-def test_stage_records_are_written_in_the_background_and_complete_after_flush(tmp_path):
+def test_stage_records_are_written_in_the_background_and_complete_after_flush():
     """A stage's closing records leave its critical path; `client()` (and the flow's end) waits for them."""
     import threading
 
