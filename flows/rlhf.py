@@ -23,6 +23,7 @@ from posttrain_core.artifacts import ArtifactStore
 from posttrain_core.config import RLHFFlowConfig
 from posttrain_core.rollout.warm import new_pool_name, release_pool
 from posttrain_core.train.rl_stage import (
+    NextRollout,
     check_dynamic_sampling,
     informative_groups,
     iteration_rollout,
@@ -85,7 +86,14 @@ def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
                     counts.append(informative_groups(store, scored[-1]))
                     if check_dynamic_sampling(counts, config.rollout.max_prompts, rl.max_gen_batches):
                         break
-            policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid)
+            nxt = None
+            if engines and config.overlap_rollout and k < config.iterations:
+                nxt = NextRollout(
+                    engines=engines,
+                    rollout=iteration_rollout(config.rollout, k + 1, 0, gen_batches),
+                    prompts=data.prompts,
+                )
+            policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid, next_rollout=nxt)
             critic = policy if rl.uses_critic else None
             metrics = store.manifest(policy)["metrics"]
             run.log_metrics({f"rl/{name}": value for name, value in metrics.items()}, step=k)

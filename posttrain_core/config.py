@@ -383,6 +383,12 @@ class RLHFFlowConfig(_Config):
         description="keep the rollout engines alive across iterations and give them each new policy in memory "
         "(vLLM: in-place weight update or adapter swap; hf: reload in the same actor); False: new engines per stage",
     )
+    overlap_rollout: bool = Field(
+        True,
+        description="with warm hf engines and a full (non-LoRA) policy: each update hands its new weights to the "
+        "engines in memory, which start the next iteration's rollout while the update saves and publishes its "
+        "checkpoint (same samples, same artifacts; less time per iteration)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RLHFFlowConfig:

@@ -52,8 +52,8 @@ def plot_curve(rows: list[dict[str, Any]], evals: dict[int, float], path: str | 
 def iteration_timing(store, iteration: int, started: float, rollouts: list, scored: list, update) -> dict[str, float]:
     """Where one RL iteration's wall time (from `started`, a time.time()) went, from its stages' manifests.
 
-    generate / score / train are the work (engine generation, scoring, old-log-prob pass + advantages + optimizer
-    steps); startup is stage-internal start-up (engine actors, worker process group, model loading); orchestration
+    generate / score / train are the work (engine generation on the critical path, scoring, old-log-prob pass +
+    advantages + optimizer steps); startup is stage-internal start-up (engine actors, worker process group, model loading); orchestration
     is the rest: Prefect task runs, cache lookups, artifact writing and reading. A stage that was a cache hit (built
     before `started`: a resumed run, or another run's identical stage) counts as orchestration.
     """
@@ -67,7 +67,12 @@ def iteration_timing(store, iteration: int, started: float, rollouts: list, scor
     roll = [m for m in map(fresh, rollouts) if m]
     sco = [m for m in map(fresh, scored) if m]
     upd = fresh(update)
-    generate = sum(r["metrics"]["tokens"] / max(r["metrics"]["tokens_per_s"], 1e-9) for r in roll)
+    # engine time, less what a prefetched rollout generated before its stage started (overlapping the previous
+    # update's publish; `rollout.stage.prefetch_rollout`)
+    generate = sum(
+        r["metrics"]["tokens"] / max(r["metrics"]["tokens_per_s"], 1e-9) - r["metrics"].get("generate_overlap_s", 0.0)
+        for r in roll
+    )
     train = (upd["metrics"].get("prepare_s", 0.0) + upd["metrics"].get("train_s", 0.0)) if upd else 0.0
     startup = sum(r["duration_s"] for r in roll) - generate + ((upd["duration_s"] - train) if upd else 0.0)
     row = {

@@ -6,7 +6,14 @@ from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.config import RLConfig
 from posttrain_core.stage import key_for
-from posttrain_core.train.rl_stage import STAGE, VALUE_STAGE, run_rl_update, run_value_pretrain, update_inputs
+from posttrain_core.train.rl_stage import (
+    STAGE,
+    VALUE_STAGE,
+    NextRollout,
+    run_rl_update,
+    run_value_pretrain,
+    update_inputs,
+)
 from tasks.common import report, stage_task, store_at
 
 
@@ -24,10 +31,13 @@ def rl_update(
     iteration: int = 0,
     store_root: str | None = None,
     parent_run_id: str | None = None,
+    next_rollout: NextRollout | None = None,
 ) -> ArtifactRef:
+    """`next_rollout`: the rollout stage that follows on a warm engine pool, started early (`run_rl_update`); not
+    part of the cache key, since the artifact is the same without it."""
     store = store_at(store_root)
     with tracking.parent(parent_run_id):
-        ref = run_rl_update(cfg, scored, policy, reference, store, critic=critic)
+        ref = run_rl_update(cfg, scored, policy, reference, store, critic=critic, next_rollout=next_rollout)
     report(f"rl_update.iter{iteration}", ref, store)
     return ref
 

@@ -133,10 +133,17 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     assert _stage_count(store, "rl_update") == 2 and _stage_count(store, "rollout") == 4  # + 2 held-out evals
     assert result["sampled_accuracy"][0]["num_prompts"] == 16
 
-    # 3. The same final policy as an uninterrupted run with the same seeds, in a fresh store.
-    fresh = rlhf_flow(_config(tmp_path / "fresh"))
+    # 3. The same final policy as an uninterrupted run with the same seeds, in a fresh store. That run also does not
+    # overlap rollouts with updates: the killed run's iteration-2 rollout was generated with update 1's weights in
+    # memory before they were published (`overlap_rollout`); the fresh run's engines load them from the artifact.
+    fresh = rlhf_flow(_config(tmp_path / "fresh", overlap_rollout=False))
     assert fresh["policy"].digest == result["policy"].digest
     assert fresh["curve"] == result["curve"]
+    loads = {
+        name: {m.get("engine_load") for m in map(s.manifest, s.list()) if m.get("stage") == "rollout"}
+        for name, s in (("resumed", store), ("fresh", ArtifactStore(tmp_path / "fresh")))
+    }
+    assert "prefetched" in loads["resumed"] and "prefetched" not in loads["fresh"], loads
 
     # What an iteration records: every metric of ALGORITHMS.md's list, the lineage, the curve picture.
     metrics = store.manifest(result["policy"])["metrics"]

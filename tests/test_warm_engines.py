@@ -99,3 +99,47 @@ def test_rows_of_another_policy_are_never_published(tiny_inputs):
     _check_policy(table.slice(0, 1), base)
     with pytest.raises(RuntimeError, match=r"1 samples \(first: prompt 'p1'\).*nothing is published"):
         _check_policy(table, base)
+
+
+def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(ray_session, tiny_inputs, policy_b, tmp_path):
+    """An RL update hands the next policy's weights to the pool before publishing it (`prefetch_rollout`): the
+    rollout stage of that policy takes the prefetched rows, which equal fresh engines' rows; a prefetch of another
+    key, or of weights that do not fit the model, is never used, and the stage's rows are still right."""
+    import ray
+
+    from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.models.loading import load_causal_lm
+    from posttrain_core.rollout.stage import prefetch_rollout, run_rollout
+    from posttrain_core.rollout.warm import get_pool, new_pool_name, release_pool
+
+    _, data, base = tiny_inputs
+    cfg = RolloutConfig(n=3, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=3)
+    fresh = ArtifactStore(tmp_path / "cold")
+    expected = _rows(fresh, run_rollout(cfg, data.eval, policy_b, fresh))
+    weights_b = {k: v.numpy() for k, v in load_causal_lm(policy_b.uri).state_dict().items()}
+    name = new_pool_name("test")
+    try:
+        store = ArtifactStore(tmp_path / "warm")
+        run_rollout(cfg, data.eval, base, store, engines=name)  # the pool serves base, like an update's input
+        assert not prefetch_rollout(cfg, data.eval, policy_b, policy_b.key, ray.put(weights_b), store, name), (
+            "the pool does not serve policy B: no prefetch"
+        )
+        assert prefetch_rollout(cfg, data.eval, base, policy_b.key, ray.put(weights_b), store, name)
+        ref = run_rollout(cfg, data.eval, policy_b, store, engines=name)
+        manifest = store.manifest(ref)
+        assert manifest["engine_load"] == "prefetched"
+        assert manifest["metrics"]["generate_overlap_s"] >= 0
+        assert _rows(store, ref) == expected  # stamped with policy B's digest, the same samples
+
+        # Back to base; a prefetch under another key is discarded: the stage reloads policy B from its folder.
+        for i, (weights, key) in enumerate([(weights_b, "f" * 64), ({"lm_head.weight": weights_b["lm_head.weight"]},
+                                                                    policy_b.key)]):  # fmt: skip
+            other = ArtifactStore(tmp_path / f"other-{i}")
+            run_rollout(cfg, data.eval, base, other, engines=name)
+            assert prefetch_rollout(cfg, data.eval, base, key, ray.put(weights), other, name)
+            ref = run_rollout(cfg, data.eval, policy_b, other, engines=name)
+            assert other.manifest(ref)["engine_load"] == "reloaded", i
+            assert _rows(other, ref) == expected, i
+        assert get_pool(name).prefetched is None
+    finally:
+        release_pool(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -132,6 +133,24 @@ class HFEngine:
         self.eos_ids = sorted(i for i in eos if i is not None)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
+
+    def load_weights(self, weights: dict, policy_digest: str) -> None:
+        """Copy a full model's weights (name -> array, the keys of this model's state dict) into the loaded model, in
+        place: the same architecture and tokenizer, new values (an RL update's policy, taken in memory).
+
+        Raises:
+            ValueError: an adapter is loaded, or the names or shapes differ from this model's (nothing is changed).
+        """
+        if hasattr(self.model, "peft_config"):
+            raise ValueError("load_weights: the engine serves a LoRA adapter; load the adapter folder instead")
+        own = self.model.state_dict()
+        if set(weights) != set(own) or any(tuple(own[k].shape) != tuple(v.shape) for k, v in weights.items()):
+            raise ValueError(f"load_weights: the weights do not fit the model loaded from {self.model_path}")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # Ray's: read-only
+            for name, value in weights.items():
+                own[name].copy_(torch.as_tensor(value))
+        self.policy_digest = policy_digest
 
     def generate(self, prompts: pa.Table, params: SamplingSettings) -> pa.Table:
         """n samples of every prompt row -> a `rollouts` table, rows ordered by (prompt row, sample_index).

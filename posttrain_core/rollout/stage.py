@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # this module is imported inside vLLM actors too: keep its im
 log = logging.getLogger(__name__)
 
 STAGE = "rollout"
+PENDING = "pending:"  # rows generated with an update's weights before its artifact (and digest) existed
 _SECONDS = "_engine_seconds"  # per-row share of its batch's engine time; dropped before writing
 
 
@@ -95,6 +96,27 @@ class RolloutWorker:
         self.policy_digest = policy_digest
         return action
 
+    def take_weights(self, weights: dict, key: str) -> str:
+        """Serve the weights of the update that will publish artifact `key`, before it is published (hf engine, full
+        model). Until `adopt` names the artifact's digest, rows are stamped `pending:<key>`, which no published
+        policy's digest equals, so they can only be used by `adopt`'s caller. Returns the stamp."""
+        if self.kind != "hf" or weights is None:
+            raise ValueError(
+                f"take_weights: no in-memory weights for the {self.kind} engine (a LoRA or non-fp32 policy)"
+            )
+        self.policy_digest = None  # if the copy fails half-way, no policy is claimed for the weights
+        self.engine.load_weights(weights, PENDING + key)
+        self.policy_digest = PENDING + key
+        return self.policy_digest
+
+    def adopt(self, key: str, policy_digest: str) -> bool:
+        """The update's artifact `key` was published with `policy_digest`: serve it under that digest (True), if
+        these are still that update's weights (else False: a later load replaced them)."""
+        if self.policy_digest != PENDING + key:
+            return False
+        self.policy_digest = policy_digest
+        return True
+
     def served_digest(self) -> str:
         """The digest of the policy this actor's engine holds (what its rows will record)."""
         return self.policy_digest
@@ -165,29 +187,14 @@ def vllm_options(cfg: RolloutConfig) -> dict[str, Any]:
     return options
 
 
-def check_rollout_inputs(
-    cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, store: ArtifactStore
-) -> pa.Table:
-    """Everything that can be checked before Ray starts; returns the prompt rows to sample (after max_prompts).
+def select_prompts(cfg: RolloutConfig, prompts: ArtifactRef, store: ArtifactStore) -> pa.Table:
+    """The prompt rows a rollout samples: `cfg.families` only, then the window of `max_prompts` from `prompt_start`.
 
     Raises:
-        ValueError: not a `prompts` dataset, a column missing (SchemaError), duplicated prompt ids, no prompts, the
-            longest prompt + max_tokens beyond the model's context, or engine="vllm" without its environment.
-        FileNotFoundError: the policy folder is missing.
+        ValueError: a column missing (SchemaError), duplicated prompt ids, or no prompts left.
     """
-    from posttrain_core.data.chat import tokenize_prompt
     from posttrain_core.data.io import read_dataset
-    from posttrain_core.models.loading import check_model_path, load_tokenizer
 
-    if prompts.kind != "dataset" or prompts.schema_kind != "prompts":
-        raise ValueError(
-            f"{STAGE}: input 'prompts' must be a 'prompts' dataset (prompt_id, messages, answer, meta), got "
-            f"{prompts.kind} '{prompts.schema_kind}' at {prompts.uri}"
-        )
-    if policy.kind != "model":
-        raise ValueError(f"{STAGE}: input 'policy' must be a model, got a {policy.kind} at {policy.uri}")
-    policy_path = store.local_path(policy)
-    info = check_model_path(policy_path)
     table = read_dataset(store.local_path(prompts), "prompts")  # a missing/bad `messages` column fails here
     ids = table.column("prompt_id").to_pylist()
     if len(set(ids)) != len(ids):
@@ -204,6 +211,40 @@ def check_rollout_inputs(
     if cfg.max_prompts or cfg.prompt_start:
         n = min(cfg.max_prompts or table.num_rows, table.num_rows)
         table = table.take([(cfg.prompt_start + i) % table.num_rows for i in range(n)])
+    return table
+
+
+def engine_batches(cfg: RolloutConfig, table: pa.Table) -> list[pa.Table]:
+    """The prompt batches a warm pool's engines get (`prompts_per_call` rows each)."""
+    rows = table.select(["prompt_id", "messages", "answer"])
+    per_call = prompts_per_call(cfg, rows.num_rows)
+    return [rows.slice(i, per_call) for i in range(0, rows.num_rows, per_call)]
+
+
+def check_rollout_inputs(
+    cfg: RolloutConfig, prompts: ArtifactRef, policy: ArtifactRef, store: ArtifactStore
+) -> pa.Table:
+    """Everything that can be checked before Ray starts; returns the prompt rows to sample (after max_prompts).
+
+    Raises:
+        ValueError: not a `prompts` dataset, a column missing (SchemaError), duplicated prompt ids, no prompts, the
+            longest prompt + max_tokens beyond the model's context, or engine="vllm" without its environment.
+        FileNotFoundError: the policy folder is missing.
+    """
+    from posttrain_core.data.chat import tokenize_prompt
+    from posttrain_core.models.loading import check_model_path, load_tokenizer
+
+    if prompts.kind != "dataset" or prompts.schema_kind != "prompts":
+        raise ValueError(
+            f"{STAGE}: input 'prompts' must be a 'prompts' dataset (prompt_id, messages, answer, meta), got "
+            f"{prompts.kind} '{prompts.schema_kind}' at {prompts.uri}"
+        )
+    if policy.kind != "model":
+        raise ValueError(f"{STAGE}: input 'policy' must be a model, got a {policy.kind} at {policy.uri}")
+    policy_path = store.local_path(policy)
+    info = check_model_path(policy_path)
+    table = select_prompts(cfg, prompts, store)
+    ids = table.column("prompt_id").to_pylist()
     context = info.get("max_position_embeddings")
     if context:
         tokenizer = load_tokenizer(policy_path, require_chat_template=True)
@@ -282,11 +323,16 @@ def run_rollout(
     checks that every prompt got exactly n samples from the right policy, sorts them by (prompt order,
     sample_index) and writes them; both paths give the same rows (each sample has its own seeded stream).
 
+    With a warm pool, the previous RL update may already have started this stage's generation with its weights in
+    memory (`prefetch_rollout`); the stage then takes those rows, after checking that the update's artifact is this
+    stage's policy and that the prompt batches and sampling settings are its own (otherwise it generates anew).
+
     Manifest metrics: samples, prompts, tokens, tokens_per_s (generated tokens per second of the pool while its
     engines generate: tokens / (engine-seconds / num_engines)), wall_tokens_per_s (tokens / wall time of the whole
     Ray execution, actor start-up or weight loading and model loading included), response_len_mean / _max (tokens),
-    finish_length_rate, and with a warm pool engine_load_s (the weight update); the manifest's `engine_load` says
-    how the engines got the weights (started, updated, reloaded, kept; "stage" without a pool).
+    finish_length_rate, with a warm pool engine_load_s (the weight update), and for prefetched rows
+    generate_overlap_s (engine time spent before this stage asked for the rows); the manifest's `engine_load` says
+    how the engines got the weights (started, updated, reloaded, kept, prefetched; "stage" without a pool).
 
     Args:
         cfg: sampling settings and the engine pool.
@@ -341,11 +387,11 @@ def run_rollout(
             from posttrain_core.rollout.warm import get_pool
 
             pool = get_pool(engines)
-            rows = table.select(["prompt_id", "messages", "answer"])
-            batches = [rows.slice(i, per_call) for i in range(0, rows.num_rows, per_call)]
             with pool.lock:
-                load = pool.load(cfg, model_path, policy.digest, params)
-                parts = pool.generate(batches, params)
+                load = pool.load(cfg, model_path, policy.digest, params, key=policy.key)
+                started_generate = time.perf_counter()
+                parts = pool.generate(engine_batches(cfg, table), params)
+                waited = time.perf_counter() - started_generate
         parts = [t for t in parts if t.num_rows]
         wall = time.perf_counter() - started
         out = pa.concat_tables(parts)
@@ -372,6 +418,8 @@ def run_rollout(
         }
         if "load_s" in load:
             metrics["engine_load_s"] = load["load_s"]
+        if load["action"] == "prefetched":  # generation that ran before this stage, beside the update's publish
+            metrics["generate_overlap_s"] = max(0.0, engine_seconds / cfg.num_engines - waited)
         log.info(
             "%s: %d samples of %d prompts, %.0f tokens/s (%.0f with start-up), mean length %.1f",
             STAGE,
@@ -391,6 +439,35 @@ def run_rollout(
         return StageOutput(manifest=manifest, metrics=metrics)
 
     return run_stage(STAGE, cfg, rollout_inputs(prompts, policy), store, "dataset", build, schema_kind="rollouts")
+
+
+def prefetch_rollout(
+    cfg: RolloutConfig,
+    prompts: ArtifactRef,
+    serving: ArtifactRef,
+    key: str,
+    weights: Any,
+    store: ArtifactStore,
+    engines: str,
+) -> bool:
+    """Start the rollout stage `cfg` of the next policy on a warm pool, with that policy's weights in memory, while
+    the RL update that made them still saves and publishes its artifact `key`.
+
+    The rollout stage of the published policy then takes the rows (`EnginePool.generate`) instead of generating,
+    so the checkpoint's write, flush and digest overlap generation instead of preceding it. Only for the hf engine
+    on full (non-LoRA) models whose pool serves `serving` (the update's input policy: same architecture and
+    tokenizer); returns False when it does not apply, and nothing changes then.
+
+    Args:
+        weights: a Ray object ref of the new policy's state dict (`RLWorker.policy_weights`).
+    """
+    from posttrain_core.models.loading import check_model_path
+    from posttrain_core.rollout.warm import get_pool
+
+    if cfg.engine != "hf" or check_model_path(store.local_path(serving))["is_adapter"]:
+        return False
+    batches = engine_batches(cfg, select_prompts(cfg, prompts, store))
+    return get_pool(engines).prefetch(cfg, weights, key, batches, sampling_settings(cfg), serving=serving.digest)
 
 
 def rollout_inputs(prompts: ArtifactRef, policy: ArtifactRef) -> dict[str, ArtifactRef]:

@@ -272,8 +272,12 @@ class RLWorker(TrainWorker):
             self.critic.train()
         return out
 
-    def update(self, batch: RLBatch, targets: Targets) -> dict[str, Any]:
-        """`targets.epochs` shuffled passes of `cfg.mini_batches` optimizer steps; rank 0 saves; returns metrics."""
+    def update(self, batch: RLBatch, targets: Targets, save: bool = True) -> dict[str, Any]:
+        """`targets.epochs` shuffled passes of `cfg.mini_batches` optimizer steps; returns metrics.
+
+        save=True: rank 0 then saves the checkpoint (`save`) and its `model_info` is in the metrics; False: the driver
+        calls `save` itself afterwards (after taking the weights for the rollout engines, `policy_weights`).
+        """
         import torch
         import torch.distributed as dist
 
@@ -351,11 +355,24 @@ class RLWorker(TrainWorker):
             if full["ref"] is not None:
                 metrics["kl_k1"] = float(self._old_checks[1]) / tok
                 metrics["kl_k3"] = float(self._old_checks[2]) / tok
-        if self.rank == 0:
-            metrics["model_info"] = self._save(targets.next_kl_coef)
-        if world > 1:
+        self._next_kl_coef = targets.next_kl_coef
+        if save and self.rank == 0:
+            metrics["model_info"] = self.save()
+        if save and world > 1:
             dist.barrier()
         return metrics
+
+    def policy_weights(self) -> dict[str, Any] | None:
+        """The updated policy's weights as numpy arrays (zero-copy in Ray's object store), for rollout engines that
+        take them in memory (`rollout.warm.EnginePool.prefetch`); None for a LoRA or non-fp32 policy."""
+        import torch
+
+        if self.lora or not self.job.train_policy:
+            return None
+        state = self.policy.state_dict()
+        if any(t.dtype != torch.float32 for t in state.values()):
+            return None
+        return {name: t.detach().numpy() for name, t in state.items()}
 
     def _micro_step(self, batch, rows, full, targets: Targets, counts: dict, nll_tokens: float, sync: bool):
         """Forward + backward of one micro-batch; returns its share of the stats vector."""
@@ -450,8 +467,9 @@ class RLWorker(TrainWorker):
 
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.dtype == "bfloat16" else contextlib.nullcontext()
 
-    def _save(self, next_kl_coef: float) -> dict:
-        """Policy (HF folder or adapter), critic (critic/), optimizer states (trainer_state.pt), atomically per file."""
+    def save(self) -> dict:
+        """Policy (HF folder or adapter), critic (critic/), optimizer states (trainer_state.pt), atomically per file,
+        as of the last `update`; returns the policy's model info."""
         import torch
 
         from posttrain_core.models.loading import save_checkpoint
@@ -462,7 +480,7 @@ class RLWorker(TrainWorker):
             info = save_checkpoint(self.policy, self.tokenizer, out)
         if self.critic is not None:
             self.critic.save_pretrained(str(out / CRITIC_DIR), safe_serialization=True)
-        state = {"step": self.step, "critic_step": self.critic_step, "kl_coef": next_kl_coef}
+        state = {"step": self.step, "critic_step": self.critic_step, "kl_coef": self._next_kl_coef}
         if self.opt is not None:
             state.update(policy_optimizer=self.opt.state_dict(), policy_scheduler=self.sched.state_dict())
         if self.critic_opt is not None:

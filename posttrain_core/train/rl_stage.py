@@ -15,10 +15,12 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from pydantic import BaseModel
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.config import RLConfig, RolloutConfig, ScoreConfig
@@ -28,6 +30,16 @@ from posttrain_core.train.rl import CRITIC_DIR, STATE_FILE, RLBatch, RLJob, RLWo
 log = logging.getLogger(__name__)
 
 STAGE, VALUE_STAGE = "rl_update", "value_pretrain"
+
+
+class NextRollout(BaseModel):
+    """The rollout stage that follows an update (for `run_rl_update`'s prefetch): the warm engine pool it will run
+    on, its settings and prompts. Not part of the update's key: it changes when the next samples are generated,
+    not the update's artifact or the samples."""
+
+    engines: str
+    rollout: RolloutConfig
+    prompts: ArtifactRef
 
 
 class DynamicSamplingError(RuntimeError):
@@ -260,8 +272,16 @@ def compute_targets(
 
 
 # -------------------------------------------------------------------------------------------- the stages
-def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: int) -> tuple[dict, dict]:
-    """load -> prepare (sharded) -> targets on the driver -> update; returns (update metrics, target metrics)."""
+def _launch(
+    job: RLJob,
+    batch: RLBatch,
+    cfg: RLConfig,
+    kl_coef: float,
+    epochs: int,
+    prefetch: Callable[[Any], bool] | None = None,
+) -> tuple[dict, dict]:
+    """load -> prepare (sharded) -> targets on the driver -> update -> save; returns (update metrics, target
+    metrics). `prefetch` gets the new policy's weights (a Ray object ref) between the update and the save."""
     import ray
 
     from posttrain_core.cluster import split
@@ -287,7 +307,16 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
                 prepared[k] = None if part[k] is None or prepared[k] is None else prepared[k] + part[k]
         targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs)
         t2 = time.time()
-        result = group.run("update", batch_ref, targets)[0]
+        result = group.run("update", batch_ref, targets, prefetch is None)[0]
+        if prefetch is not None:
+            rank0 = group.actors[0]
+            try:
+                prefetched = prefetch(rank0.policy_weights.remote())
+            except Exception as err:  # noqa: BLE001 - the update does not depend on it: the next rollout generates
+                log.warning("%s: could not start the next rollout early (%s: %s)", job.stage, type(err).__name__, err)
+                prefetched = False
+            result["model_info"] = ray.get(rank0.save.remote())
+            result["prefetched_next_rollout"] = float(prefetched)
         done = True
     finally:
         if done:
@@ -300,6 +329,7 @@ def _launch(job: RLJob, batch: RLBatch, cfg: RLConfig, kl_coef: float, epochs: i
     return result, target_metrics
 
 
+PREFETCH_ENV = "POSTTRAIN_PREFETCH_ROLLOUT"  # "0": the next rollout starts only after the update is published
 OLD_PASS_ENV = "POSTTRAIN_RL_OLD_LOGP_PASS"  # "1": always compute old log-probs in a pass of their own
 
 
@@ -414,6 +444,7 @@ def run_rl_update(
     reference: ArtifactRef,
     store: ArtifactStore,
     critic: ArtifactRef | None = None,
+    next_rollout: NextRollout | None = None,
 ) -> ArtifactRef:
     """One RL update of `policy` on `scored` (one artifact, or several generation batches with dynamic sampling).
 
@@ -425,6 +456,10 @@ def run_rl_update(
         store: the artifact store.
         critic: an artifact holding `critic/` (the previous update, or value pretraining); PPO/VAPO start a fresh
             critic from the policy when None.
+        next_rollout: the rollout stage that will sample from the new policy on a warm hf engine pool: its engines
+            get the new weights in memory and start generating while this stage saves, flushes and digests its
+            checkpoint (`rollout.stage.prefetch_rollout`); that stage takes the rows once this artifact is
+            published. The artifact is the same with or without it.
 
     Returns:
         A model artifact: the new policy (full or adapter folder), `critic/` when the algorithm has one and
@@ -457,7 +492,16 @@ def run_rl_update(
             STAGE, rcfg.algorithm, len(batch), int(data_metrics["groups"]), rcfg.num_workers, rcfg.ppo_epochs,
             rcfg.mini_batches,
         )  # fmt: skip
-        result, target_metrics = _launch(job, batch, rcfg, kl_coef, rcfg.ppo_epochs)
+        prefetch = None
+        if next_rollout is not None and rcfg.lora is None and os.environ.get(PREFETCH_ENV, "1") != "0":
+            from posttrain_core.rollout.stage import prefetch_rollout
+
+            def prefetch(weights) -> bool:
+                return prefetch_rollout(
+                    next_rollout.rollout, next_rollout.prompts, policy, ctx.key, weights, store, next_rollout.engines
+                )
+
+        result, target_metrics = _launch(job, batch, rcfg, kl_coef, rcfg.ppo_epochs, prefetch)
         info = result.pop("model_info")
         metrics = {**data_metrics, **target_metrics, **{k: float(v) for k, v in result.items() if k != "rank"}}
         log.info("%s: %s", STAGE, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
