@@ -121,10 +121,10 @@ def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(ray_session, ti
     try:
         store = ArtifactStore(tmp_path / "warm")
         run_rollout(cfg, data.eval, base, store, engines=name)  # the pool serves base, like an update's input
-        assert not prefetch_rollout(cfg, data.eval, policy_b, policy_b.key, ray.put(weights_b), store, name), (
+        assert not prefetch_rollout(cfg, data.eval, policy_b, policy_b.key, lambda: ray.put(weights_b), store, name), (
             "the pool does not serve policy B: no prefetch"
         )
-        assert prefetch_rollout(cfg, data.eval, base, policy_b.key, ray.put(weights_b), store, name)
+        assert prefetch_rollout(cfg, data.eval, base, policy_b.key, lambda: ray.put(weights_b), store, name)
         ref = run_rollout(cfg, data.eval, policy_b, store, engines=name)
         manifest = store.manifest(ref)
         assert manifest["engine_load"] == "prefetched"
@@ -136,7 +136,7 @@ def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(ray_session, ti
                                                                     policy_b.key)]):  # fmt: skip
             other = ArtifactStore(tmp_path / f"other-{i}")
             run_rollout(cfg, data.eval, base, other, engines=name)
-            assert prefetch_rollout(cfg, data.eval, base, key, ray.put(weights), other, name)
+            assert prefetch_rollout(cfg, data.eval, base, key, lambda w=weights: ray.put(w), other, name)
             ref = run_rollout(cfg, data.eval, policy_b, other, engines=name)
             assert other.manifest(ref)["engine_load"] == "reloaded", i
             assert _rows(other, ref) == expected, i

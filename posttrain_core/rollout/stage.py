@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -446,7 +447,7 @@ def prefetch_rollout(
     prompts: ArtifactRef,
     serving: ArtifactRef,
     key: str,
-    weights: Any,
+    weights: Callable[[], Any],
     store: ArtifactStore,
     engines: str,
 ) -> bool:
@@ -459,7 +460,8 @@ def prefetch_rollout(
     tokenizer); returns False when it does not apply, and nothing changes then.
 
     Args:
-        weights: a Ray object ref of the new policy's state dict (`RLWorker.policy_weights`).
+        weights: returns a Ray object ref of the new policy's state dict (`RLWorker.policy_weights`); called only
+            when the prefetch applies.
     """
     from posttrain_core.models.loading import check_model_path
     from posttrain_core.rollout.warm import get_pool

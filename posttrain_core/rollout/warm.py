@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -185,13 +186,14 @@ class EnginePool:
     def prefetch(
         self,
         cfg: RolloutConfig,
-        weights: Any,
+        weights: Callable[[], Any],
         key: str,
         batches: list[pa.Table],
         params: SamplingSettings,
         serving: str,
     ) -> bool:
-        """Give the actors the weights of the RL update that will publish artifact `key` and start generating
+        """Give the actors the weights of the RL update that will publish artifact `key` (`weights()`: an object
+        ref of its state dict, asked for only when the prefetch applies) and start generating
         `batches` (batch i on actor i mod n), without waiting. Only when the actors run the same engine settings
         and serve `serving` (the update's input policy: same architecture and tokenizer); returns whether it
         started. The rows are stamped `pending:<key>`; `load(..., key=key)` and `generate` take them for the
@@ -204,7 +206,8 @@ class EnginePool:
                 return False
             self.digest = None  # the actors are about to hold other weights
             # Ray runs one caller's calls to an actor in order: every actor takes the weights, then generates.
-            taken = [a.take_weights.remote(weights, key) for a in self.actors]
+            state = weights()
+            taken = [a.take_weights.remote(state, key) for a in self.actors]
             futures = [self.actors[i % len(self.actors)].generate.remote(b, params) for i, b in enumerate(batches)]
             ids = [b.column("prompt_id").to_pylist() for b in batches]
             self.prefetched = _Prefetch(key, self._spec(cfg), ids, params, taken, futures)

@@ -278,10 +278,11 @@ def _launch(
     cfg: RLConfig,
     kl_coef: float,
     epochs: int,
-    prefetch: Callable[[Any], bool] | None = None,
+    prefetch: Callable[[Callable[[], Any]], bool] | None = None,
 ) -> tuple[dict, dict]:
     """load -> prepare (sharded) -> targets on the driver -> update -> save; returns (update metrics, target
-    metrics). `prefetch` gets the new policy's weights (a Ray object ref) between the update and the save."""
+    metrics). Between the update and the save, `prefetch` gets a function that returns the new policy's weights (a
+    Ray object ref) if it uses them."""
     import ray
 
     from posttrain_core.cluster import split
@@ -311,7 +312,7 @@ def _launch(
         if prefetch is not None:
             rank0 = group.actors[0]
             try:
-                prefetched = prefetch(rank0.policy_weights.remote())
+                prefetched = prefetch(rank0.policy_weights.remote)
             except Exception as err:  # noqa: BLE001 - the update does not depend on it: the next rollout generates
                 log.warning("%s: could not start the next rollout early (%s: %s)", job.stage, type(err).__name__, err)
                 prefetched = False
