@@ -57,7 +57,10 @@ class RolloutWorker:
         dtype: str = "float32",
         num_threads: int | None = None,
     ):
+        from posttrain_core.cluster import keep_freed_memory
+
         self.kind, self.dtype, self.params = engine, dtype, params
+        keep_freed_memory()
         if engine == "hf" and num_threads:
             import torch
 

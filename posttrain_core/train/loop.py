@@ -345,8 +345,11 @@ class TrainWorker:
     def __init__(self, rank: int, world_size: int):
         import torch
 
+        from posttrain_core.cluster import keep_freed_memory
+
         self.rank, self.world = rank, world_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        keep_freed_memory()
 
     def rendezvous(self) -> tuple[str, int]:
         from posttrain_core.cluster import node_address
