@@ -153,6 +153,39 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs, mo
     assert reloaded.digest == b.digest  # policy weights, Adam moments and step: identical
 
 
+def test_reference_log_probs_computed_inside_the_update_match_the_separate_pass(sampled, monkeypatch):
+    """One optimizer step per batch with the KL in the loss (GRPO, 1 epoch x 1 mini-batch): the driver needs nothing
+    from `prepare`, so each update micro-step computes its rows' reference log-probs itself. The update must be the
+    one the separate reference pass gives (same losses, KL and gradient norm, up to float rounding)."""
+    import math
+
+    from posttrain_core.config import LoraConfig, RLConfig
+    from posttrain_core.train.rl_stage import PREPARE_ENV, run_rl_update
+
+    store, base, rollouts = sampled
+    scored = _scored_with(store, rollouts, lambda k: 1.0 if k < 2 else 0.0, "half")
+    # a reference that is not the policy, so that the KL term is not trivially 0
+    reference = run_rl_update(RLConfig(algorithm="grpo", lr=1e-2, micro_batch_size=8, seed=9), [scored], base, base,
+                              store)  # fmt: skip
+    settings = dict(algorithm="grpo", lr=1e-3, ppo_epochs=1, mini_batches=1, kl_coef=0.5)
+    monkeypatch.setenv(PREPARE_ENV, "1")
+    separate = store.manifest(run_rl_update(RLConfig(**settings, micro_batch_size=8), [scored], base, reference, store))
+    monkeypatch.delenv(PREPARE_ENV)
+    # other micro-batches (another key, other padding): the aggregation does not depend on them
+    inside = store.manifest(run_rl_update(RLConfig(**settings, micro_batch_size=4), [scored], base, reference, store))
+
+    a, b = separate["metrics"], inside["metrics"]
+    assert a["reference_in_update"] == 0.0 and b["reference_in_update"] == 1.0
+    assert a["kl_k1"] > 1e-3 and a["kl_loss"] > 0, a  # the reference differs from the policy
+    for name in ("pg_loss", "kl_loss", "kl_k1", "kl_k3", "entropy", "grad_norm", "logp_mismatch_mean"):
+        assert math.isclose(a[name], b[name], rel_tol=1e-4, abs_tol=1e-6), (name, a[name], b[name])
+
+    # LoRA: the reference is the policy with its adapter disabled, computed inside the update too (KL exactly 0)
+    lora = RLConfig(**settings, micro_batch_size=8, lora=LoraConfig(r=4, alpha=8))
+    c = store.manifest(run_rl_update(lora, [scored], base, base, store))["metrics"]
+    assert c["reference_in_update"] == 1.0 and c["kl_k1"] == 0.0 and c["kl_k3"] == 0.0, c
+
+
 def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tiny_inputs, vllm_or_skip):
     """Rollouts from the vLLM engine (its own environment, seeded T=1 sampling) feed the update; the mismatch between
     the engine's log-probs and the trainer's recomputed ones is logged and small (same weights, fp32 both sides)."""

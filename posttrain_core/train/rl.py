@@ -4,7 +4,9 @@ What it really is. The driver (`train/rl_stage.py`) hands every worker the same 
 `RLWorker.prepare`: each rank computes, for its shard of rows and with the weights that sampled them, the old
 log-probs of the response tokens, the reference log-probs (a frozen copy, or for LoRA the same model with its adapter
 disabled) and the critic's values; the driver gathers them and computes advantages and returns over the whole batch
-(group statistics and whitening need all of it). Phase 2, `RLWorker.update`: `epochs` passes; each pass shuffles the
+(group statistics and whitening need all of it). When the driver needs none of that before the update (one optimizer
+step per batch, no critic, KL in the loss or none), it skips phase 1 and each micro-step of phase 2 computes its rows'
+reference log-probs itself (`Targets.reference_in_update`). Phase 2, `RLWorker.update`: `epochs` passes; each pass shuffles the
 rows (seeded by the optimizer step) and cuts them into `mini_batches` optimizer steps; rank r takes rows r::world of
 a mini-batch in micro-batches. Every loss term is aggregated with the *mini-batch's global* token / sequence counts,
 so the summed gradient over ranks and micro-batches equals the full mini-batch's (independent of the worker count).
@@ -78,6 +80,9 @@ class Targets:
     t_max: int
     kl_coef: float  # beta of the KL loss term (in-reward KL is already in the advantages)
     next_kl_coef: float  # stored with the new policy (adaptive KL)
+    # True: ref_logp is None and every micro-step computes its own rows' reference log-probs (the driver skipped
+    # `prepare`: nothing it computes was needed before the update; `rl_stage._prepare_needed`)
+    reference_in_update: bool = False
 
 
 def pad(rows: list[list[float]], width: int, value: float = 0.0):
@@ -255,13 +260,8 @@ class RLWorker(TrainWorker):
                 if not skip_old:
                     old = token_logprobs(response_logits(self.policy.eval(), ids, attn, pos), labels)
                     out["old_logp"] += [old[b, :n].tolist() for b, n in enumerate(lengths)]
-                ref = None
-                if self.lora:
-                    with self.policy.disable_adapter():
-                        ref = token_logprobs(response_logits(self.policy, ids, attn, pos), labels)
-                elif self.reference is not None:
-                    ref = token_logprobs(response_logits(self.reference, ids, attn, pos), labels)
-                if ref is not None and self.job.reference_path is not None:
+                ref = self._reference_logp(ids, attn, pos, labels)
+                if ref is not None:
                     out["ref_logp"] += [ref[b, :n].tolist() for b, n in enumerate(lengths)]
                 if self.critic is not None:
                     values = token_values(self.critic.eval(), ids, attn).gather(1, pos)
@@ -271,6 +271,23 @@ class RLWorker(TrainWorker):
         if self.critic is not None:
             self.critic.train()
         return out
+
+    def _reference_logp(self, ids, attn, pos, labels):
+        """Reference log-probs of one encoded chunk, without gradients: the frozen reference model, or for LoRA the
+        policy with its adapter disabled; None when the job has no reference."""
+        import torch
+
+        from posttrain_core.algorithms.rl import token_logprobs
+
+        if self.job.reference_path is None:
+            return None
+        with torch.no_grad():
+            if self.lora:
+                with self.policy.disable_adapter():
+                    return token_logprobs(response_logits(self.policy, ids, attn, pos), labels)
+            if self.reference is not None:
+                return token_logprobs(response_logits(self.reference, ids, attn, pos), labels)
+        return None
 
     def update(self, batch: RLBatch, targets: Targets, save: bool = True) -> dict[str, Any]:
         """`targets.epochs` shuffled passes of `cfg.mini_batches` optimizer steps; returns metrics.
@@ -352,7 +369,7 @@ class RLWorker(TrainWorker):
         if targets.old_logp is None and self.job.train_policy:  # what compute_targets reports from `prepare`
             metrics["logp_mismatch_mean"] = float(self._old_checks[0]) / tok
             metrics["logp_mismatch_max"] = float(self._old_gap_max[0])
-            if full["ref"] is not None:
+            if full["ref"] is not None or (targets.reference_in_update and self.job.reference_path is not None):
                 metrics["kl_k1"] = float(self._old_checks[1]) / tok
                 metrics["kl_k3"] = float(self._old_checks[2]) / tok
         self._next_kl_coef = targets.next_kl_coef
@@ -394,6 +411,15 @@ class RLWorker(TrainWorker):
         R = mask.shape[1]
         adv, m = full["adv"][rows, :R], full["mask"][rows, :R]
         old = full["old"][rows, :R] if full["old"] is not None else None
+        ref = full["ref"][rows, :R] if full["ref"] is not None else None
+        eval_old = None  # `prepare`'s eval-mode old log-probs, when the update computes what it would have
+        if targets.reference_in_update and self.job.train_policy:
+            with self._autocast():
+                ref = self._reference_logp(ids, attn, pos, labels)
+                if old is None and _dropout_active(self.policy):  # train-mode log-probs differ: as `prepare`
+                    with torch.no_grad():
+                        eval_old = token_logprobs(response_logits(self.policy.eval(), ids, attn, pos), labels)
+                    self.policy.train()
         scale = float(self.world)  # DDP averages gradients over ranks; our losses are already global sums
         if self.job.train_policy:
             no_sync = contextlib.nullcontext() if sync else self.ddp_policy.no_sync()
@@ -401,8 +427,8 @@ class RLWorker(TrainWorker):
                 logits = response_logits(self.ddp_policy, ids, attn, pos)
                 logp = token_logprobs(logits, labels)
                 if old is None:  # the only optimizer step on this batch: these weights sampled it
-                    old = logp.detach()
-                    self._check_old(full, rows, R, old, m)
+                    old = eval_old if eval_old is not None else logp.detach()
+                    self._check_old(full, rows, R, old, m, ref)
                 if cfg.policy_loss == "gspo":
                     seq_adv = (adv * m).sum(-1) / m.sum(-1).clamp(min=1)
                     pg, info = gspo_loss(logp, old, seq_adv, m, num_seqs=counts["num_seqs"])
@@ -413,8 +439,8 @@ class RLWorker(TrainWorker):
                     )  # fmt: skip
                 loss = pg
                 kl_term = torch.zeros(())
-                if cfg.kl_placement == "loss" and targets.kl_coef > 0 and full["ref"] is not None:
-                    kl = kl_estimate(logp, full["ref"][rows, :R], cfg.kl_estimator)
+                if cfg.kl_placement == "loss" and targets.kl_coef > 0 and ref is not None:
+                    kl = kl_estimate(logp, ref, cfg.kl_estimator)
                     kl_term = targets.kl_coef * aggregate(kl, m, cfg.loss_agg, **counts)
                     loss = loss + kl_term
                 entropy = entropy_from_logits(logits.detach() if cfg.entropy_coef == 0 else logits)
@@ -450,15 +476,14 @@ class RLWorker(TrainWorker):
             out[6] = float(vinfo.get("vf_clip_frac", 0.0)) * float(m.sum())
         return out
 
-    def _check_old(self, full, rows, R: int, old, m) -> None:
+    def _check_old(self, full, rows, R: int, old, m, ref) -> None:
         """Sums for the log-prob checks `prepare` would have fed compute_targets (trainer vs engine, KL to ref)."""
         from posttrain_core.algorithms.rl import kl_estimate
 
         gap = (full["rollout"][rows, :R] - old).abs() * m
         self._old_checks[0] += float(gap.sum())
         self._old_gap_max[0] = max(float(self._old_gap_max[0]), float(gap.max()) if gap.numel() else 0.0)
-        if full["ref"] is not None:
-            ref = full["ref"][rows, :R]
+        if ref is not None:
             self._old_checks[1] += float((kl_estimate(old, ref, "k1") * m).sum())
             self._old_checks[2] += float((kl_estimate(old, ref, "k3") * m).sum())
 

@@ -1,7 +1,8 @@
 """The RL update stage (driver side): scored rollouts + policy -> new policy (and critic), on a Ray worker group.
 
 `run_rl_update` reads the scored rollouts, checks they were sampled by the policy it is given (never train on stale
-samples), lets the workers recompute old/reference log-probs and values (`RLWorker.prepare`), computes advantages
+samples), lets the workers recompute old/reference log-probs and values where the advantages need them
+(`RLWorker.prepare`; else the update computes the reference log-probs of the KL term itself), computes advantages
 over the whole batch here (group statistics, whitening, KL in the reward), then runs the update on the workers and
 publishes the new policy with `critic/` and `trainer_state.pt` inside. Also: VAPO's value pretraining, the
 per-iteration rollout settings and DAPO's dynamic-sampling bookkeeping, which the flow calls.
@@ -185,12 +186,18 @@ def _std(xs: list[float]) -> float:
 
 # ------------------------------------------------------------------------------------------- advantages
 def compute_targets(
-    cfg: RLConfig, batch: RLBatch, prepared: dict[str, list], kl_coef: float, epochs: int
+    cfg: RLConfig,
+    batch: RLBatch,
+    prepared: dict[str, list],
+    kl_coef: float,
+    epochs: int,
+    reference_in_update: bool = False,
 ) -> tuple[Targets, dict[str, float]]:
     """Advantages and returns over the whole batch (`cfg` resolved), and the metrics they yield.
 
     Token rewards: the sequence score on the last policy token, minus kl_coef * KL_t on every token when the KL is
     placed in the reward. Sequence estimators (grpo, dr_grpo, rloo, reinforce_pp_baseline) use s_i = sum_t r_t.
+    reference_in_update: there is a reference, and the update computes its log-probs itself (`_prepare_needed`).
     """
     import torch
 
@@ -212,7 +219,7 @@ def compute_targets(
             metrics["kl_k3"] = float(A.masked_mean(A.kl_estimate(old, ref, "k3"), mask))
         if cfg.kl_placement == "reward" and kl_coef > 0:
             rewards = rewards - kl_coef * A.kl_estimate(old, ref, cfg.kl_estimator) * mask
-    elif cfg.kl_placement != "none" and kl_coef > 0:
+    elif cfg.kl_placement != "none" and kl_coef > 0 and not reference_in_update:
         raise ValueError(f"{STAGE}: kl_placement='{cfg.kl_placement}' needs a reference model")
     seq = (rewards * mask).sum(-1)
     returns = None
@@ -267,6 +274,7 @@ def compute_targets(
         t_max=width,
         kl_coef=kl_coef if cfg.kl_placement == "loss" else 0.0,
         next_kl_coef=next_kl,
+        reference_in_update=reference_in_update,
     )
     return targets, metrics
 
@@ -299,14 +307,21 @@ def _launch(
         loads = group.run("load", job)
         t1 = time.time()
         batch_ref = ray.put(batch)
-        shards = split(list(range(len(batch))), cfg.num_workers)
         need_old = _needs_old_pass(job, cfg, epochs)
-        parts = ray.get([a.prepare.remote(batch_ref, s, need_old) for a, s in zip(group.actors, shards, strict=False)])
         prepared: dict[str, Any] = {"old_logp": [], "ref_logp": [], "values": []}
-        for part in parts:  # shards are contiguous and in rank order
-            for k in prepared:
-                prepared[k] = None if part[k] is None or prepared[k] is None else prepared[k] + part[k]
-        targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs)
+        if _prepare_needed(job, need_old):
+            shards = split(list(range(len(batch))), cfg.num_workers)
+            parts = ray.get(
+                [a.prepare.remote(batch_ref, s, need_old) for a, s in zip(group.actors, shards, strict=False)]
+            )
+            for part in parts:  # shards are contiguous and in rank order
+                for k in prepared:
+                    prepared[k] = None if part[k] is None or prepared[k] is None else prepared[k] + part[k]
+            targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs)
+        else:
+            prepared["old_logp"] = None
+            in_update = job.reference_path is not None
+            targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs, in_update)
         t2 = time.time()
         result = group.run("update", batch_ref, targets, prefetch is None)[0]
         if prefetch is not None:
@@ -327,11 +342,23 @@ def _launch(
     # start-up (actors, process group, model loading) vs the work: old/ref log-probs + advantages, then the update
     target_metrics.update(startup_s=t1 - t0, prepare_s=t2 - t1, train_s=time.time() - t2)
     target_metrics["continued_in_memory"] = float(all(x == "continued" for x in loads))
+    target_metrics["reference_in_update"] = float(targets.reference_in_update)
     return result, target_metrics
 
 
 PREFETCH_ENV = "POSTTRAIN_PREFETCH_ROLLOUT"  # "0": the next rollout starts only after the update is published
 OLD_PASS_ENV = "POSTTRAIN_RL_OLD_LOGP_PASS"  # "1": always compute old log-probs in a pass of their own
+PREPARE_ENV = "POSTTRAIN_RL_PREPARE_PASS"  # "1": reference log-probs in `prepare` even when nothing else needs it
+
+
+def _prepare_needed(job: RLJob, need_old: bool) -> bool:
+    """Whether the driver needs `RLWorker.prepare`'s results before the update: old log-probs (`_needs_old_pass`)
+    or critic values. When it does not, advantages come from the scores alone, and each update micro-step computes
+    its own rows' reference log-probs (for the KL loss term) just before its forward pass: the same numbers (up to
+    the float rounding of another padding), without a round trip through the driver between two passes of the
+    workers. The driver then also skips the old-log-prob checks that `compute_targets` makes; the update reports them.
+    """
+    return need_old or job.critic_path is not None or os.environ.get(PREPARE_ENV) == "1"
 
 
 def _needs_old_pass(job: RLJob, cfg: RLConfig, epochs: int) -> bool:
