@@ -139,3 +139,52 @@ def test_workers_keep_freed_memory_for_the_next_step(keep):
         assert int(returned_mib) < 16, out  # still resident
     else:
         assert int(returned_mib) > 200, out  # unmapped on free
+
+
+def _ddp_steps(rank: int, world: int, port: int, view: str, out: str) -> None:
+    """One rank: 3 optimizer steps of 2 accumulated micro-batches through `data_parallel`, as train_loop runs them."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from posttrain_core.train.loop import BUCKET_VIEW_ENV, data_parallel
+
+    os.environ[BUCKET_VIEW_ENV] = view
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+    ddp = data_parallel(model, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        for micro in range(2):
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                ddp(torch.randn(8, 32, generator=data)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if rank == 0:
+        torch.save(model.state_dict(), out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_ddp_gradients_as_bucket_views_train_the_same_bits(tmp_path):
+    """`data_parallel` lets DDP keep the gradients inside its all-reduce buckets (one copy, no copying between them):
+    gradient accumulation, clipping and set_to_none zeroing must give exactly the weights of separate gradients."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from posttrain_core.cluster import free_port
+
+    weights = {}
+    for view in ("1", "0"):
+        out = str(tmp_path / f"view{view}.pt")
+        mp.start_processes(_ddp_steps, args=(2, free_port(), view, out), nprocs=2, start_method="spawn")
+        weights[view] = torch.load(out)
+    assert all(torch.equal(weights["1"][k], weights["0"][k]) for k in weights["0"])
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32)).state_dict()
+    assert not torch.equal(weights["1"]["0.weight"], start["0.weight"])  # it trained

@@ -150,6 +150,23 @@ def _fmt_eta(seconds: float) -> str:
     return f"{m}m{s:02d}s"
 
 
+BUCKET_VIEW_ENV = "POSTTRAIN_DDP_BUCKET_VIEW"  # "0": DDP keeps gradients apart from its all-reduce buckets
+
+
+def data_parallel(module, world: int):
+    """`module` wrapped in DistributedDataParallel when world > 1 (else itself).
+
+    Gradients are views into DDP's all-reduce buckets (`gradient_as_bucket_view`): one copy of them instead of two,
+    and no copy between gradients and buckets each step; the same values bit for bit (bench/NOTES.md, change 18).
+    """
+    import torch
+
+    if world <= 1:
+        return module
+    view = os.environ.get(BUCKET_VIEW_ENV, "1") != "0"
+    return torch.nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=view)
+
+
 def build_optimizer(model, cfg: TrainConfig):
     """(trainable params, AdamW, warm-up/decay LambdaLR): the optimizer every posttrain training loop uses."""
     import torch
@@ -225,7 +242,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     net = SelectedLogits(model)  # the LM head runs on the trained positions only
-    ddp = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    ddp = data_parallel(net, world)
     params, opt, sched = build_optimizer(model, cfg)
     start_step = resume_from_checkpoint(job, model, opt, sched, rank)
 

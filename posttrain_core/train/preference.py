@@ -34,6 +34,7 @@ from posttrain_core.train.loop import (
     _save_checkpoint,
     build_optimizer,
     collate,
+    data_parallel,
     global_batch,
     optimizer_step,
     resume_from_checkpoint,
@@ -255,7 +256,7 @@ def preference_loop(job: PreferenceJob, rank: int, world: int) -> dict:
         raise ValueError(f"{job.data_path}: no training pair has response tokens within max_seq_len={cfg.max_seq_len}")
 
     net = _per_row_module(job.objective, model)
-    ddp = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    ddp = data_parallel(net, world)
     params, opt, sched = build_optimizer(model, cfg)
     start_step = resume_from_checkpoint(job, model, opt, sched, rank)
     initial = _evaluate(job, net, held_out, pad_id, rank, world) if job.objective == "rm" and start_step == 0 else {}

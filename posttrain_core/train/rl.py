@@ -18,6 +18,7 @@ position len(prompt_i) + j - 1; `mask_B_R` is 1 on tokens the policy generated (
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain_core.config import RLConfig
-from posttrain_core.train.loop import IGNORE, TrainWorker, peak_rss_mb
+from posttrain_core.train.loop import IGNORE, TrainWorker, data_parallel, peak_rss_mb
 
 STATE_FILE = "trainer_state.pt"  # optimizer states, step count: the policy artifact carries them to the next update
 CRITIC_DIR = "critic"
@@ -197,7 +198,7 @@ class RLWorker(TrainWorker):
         self.step = state.get("step", 0)
         self.critic_step = state.get("critic_step", 0)
         self.opt = self.critic_opt = None
-        wrap = torch.nn.parallel.DistributedDataParallel if self.world > 1 else (lambda m: m)
+        wrap = functools.partial(data_parallel, world=self.world)
         if job.train_policy:
             self.params, self.opt, self.sched = build_optimizer(self.policy, _optim_settings(cfg, cfg.lr))
             if "policy_optimizer" in state:
