@@ -141,6 +141,13 @@ def test_workers_keep_freed_memory_for_the_next_step(keep):
         assert int(returned_mib) > 200, out  # unmapped on free
 
 
+def _seeded_net():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+
+
 def _ddp_steps(rank: int, world: int, port: int, view: str, out: str) -> None:
     """One rank: 3 optimizer steps of 2 accumulated micro-batches through `data_parallel`, as train_loop runs them."""
     import contextlib
@@ -153,8 +160,7 @@ def _ddp_steps(rank: int, world: int, port: int, view: str, out: str) -> None:
     os.environ[BUCKET_VIEW_ENV] = view
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+    model = _seeded_net()
     ddp = data_parallel(model, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(rank)
@@ -185,6 +191,5 @@ def test_ddp_gradients_as_bucket_views_train_the_same_bits(tmp_path):
         mp.start_processes(_ddp_steps, args=(2, free_port(), view, out), nprocs=2, start_method="spawn")
         weights[view] = torch.load(out)
     assert all(torch.equal(weights["1"][k], weights["0"][k]) for k in weights["0"])
-    torch.manual_seed(0)
-    start = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 32)).state_dict()
+    start = _seeded_net().state_dict()
     assert not torch.equal(weights["1"]["0.weight"], start["0.weight"])  # it trained

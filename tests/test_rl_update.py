@@ -186,6 +186,31 @@ def test_reference_log_probs_computed_inside_the_update_match_the_separate_pass(
     assert c["reference_in_update"] == 1.0 and c["kl_k1"] == 0.0 and c["kl_k3"] == 0.0, c
 
 
+def test_update_without_prepare_keeps_eval_mode_old_log_probs_under_dropout(sampled, tiny_inputs, tmp_path):
+    """A policy with active dropout and one optimizer step per batch (nothing needs `prepare` before the update): the
+    update itself takes the old log-probs from an eval-mode pass, as `prepare` would, so they match the engine's."""
+    import json
+    import shutil
+
+    from posttrain_core.config import RLConfig, RolloutConfig
+    from posttrain_core.rollout.stage import run_rollout
+    from posttrain_core.train.rl_stage import run_rl_update
+
+    store, base, _ = sampled
+    folder = tmp_path / "dropout-policy"
+    shutil.copytree(store.local_path(base), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    policy = store.register_external(str(folder), kind="model")
+    cfg = RolloutConfig(n=4, max_prompts=6, max_tokens=6, num_engines=1, batch_size=8, seed=6)
+    rollouts = run_rollout(cfg, tiny_inputs[1].prompts, policy, store)
+    scored = _scored_with(store, rollouts, lambda k: float(k % 2), "dropout")
+    rl = RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8, mini_batches=1, kl_coef=0.0, kl_placement="none")
+    metrics = store.manifest(run_rl_update(rl, [scored], policy, policy, store))["metrics"]
+    assert metrics["reference_in_update"] == 1.0, metrics  # `prepare` was skipped
+    assert metrics["logp_mismatch_mean"] < 1e-4, metrics  # a train-mode (dropout) pass would differ by far more
+
+
 def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tiny_inputs, vllm_or_skip):
     """Rollouts from the vLLM engine (its own environment, seeded T=1 sampling) feed the update; the mismatch between
     the engine's log-probs and the trainer's recomputed ones is logged and small (same weights, fp32 both sides)."""

@@ -6,7 +6,7 @@ log-probs of the response tokens, the reference log-probs (a frozen copy, or for
 disabled) and the critic's values; the driver gathers them and computes advantages and returns over the whole batch
 (group statistics and whitening need all of it). When the driver needs none of that before the update (one optimizer
 step per batch, no critic, KL in the loss or none), it skips phase 1 and each micro-step of phase 2 computes its rows'
-reference log-probs itself (`Targets.reference_in_update`). Phase 2, `RLWorker.update`: `epochs` passes; each pass shuffles the
+reference log-probs itself (`Targets.prepare_in_update`). Phase 2, `RLWorker.update`: `epochs` passes; each pass shuffles the
 rows (seeded by the optimizer step) and cuts them into `mini_batches` optimizer steps; rank r takes rows r::world of
 a mini-batch in micro-batches. Every loss term is aggregated with the *mini-batch's global* token / sequence counts,
 so the summed gradient over ranks and micro-batches equals the full mini-batch's (independent of the worker count).
@@ -81,9 +81,10 @@ class Targets:
     t_max: int
     kl_coef: float  # beta of the KL loss term (in-reward KL is already in the advantages)
     next_kl_coef: float  # stored with the new policy (adaptive KL)
-    # True: ref_logp is None and every micro-step computes its own rows' reference log-probs (the driver skipped
-    # `prepare`: nothing it computes was needed before the update; `rl_stage._prepare_needed`)
-    reference_in_update: bool = False
+    # True: the driver skipped `prepare` (nothing it computes was needed before the update;
+    # `rl_stage._prepare_needed`), so every micro-step computes what it would have for its own rows: the reference
+    # log-probs (when the job has a reference) and, under active dropout, the eval-mode old log-probs
+    prepare_in_update: bool = False
 
 
 def pad(rows: list[list[float]], width: int, value: float = 0.0):
@@ -249,7 +250,6 @@ class RLWorker(TrainWorker):
         """
         import torch
 
-        from posttrain_core.algorithms.rl import token_logprobs
         from posttrain_core.models.critic import token_values
 
         skip_old = not need_old and not _dropout_active(self.policy)
@@ -259,7 +259,7 @@ class RLWorker(TrainWorker):
                 ids, attn, pos, labels, mask = encode(batch, chunk, self.pad_id)
                 lengths = [len(batch.response_ids[i]) for i in chunk]
                 if not skip_old:
-                    old = token_logprobs(response_logits(self.policy.eval(), ids, attn, pos), labels)
+                    old = self._eval_logp(ids, attn, pos, labels)
                     out["old_logp"] += [old[b, :n].tolist() for b, n in enumerate(lengths)]
                 ref = self._reference_logp(ids, attn, pos, labels)
                 if ref is not None:
@@ -272,6 +272,16 @@ class RLWorker(TrainWorker):
         if self.critic is not None:
             self.critic.train()
         return out
+
+    def _eval_logp(self, ids, attn, pos, labels):
+        """The policy's log-probs of one encoded chunk in eval mode (dropout off), without gradients. The policy is
+        left in eval mode (`prepare` runs its other passes so); the caller puts it back in train mode."""
+        import torch
+
+        from posttrain_core.algorithms.rl import token_logprobs
+
+        with torch.no_grad():
+            return token_logprobs(response_logits(self.policy.eval(), ids, attn, pos), labels)
 
     def _reference_logp(self, ids, attn, pos, labels):
         """Reference log-probs of one encoded chunk, without gradients: the frozen reference model, or for LoRA the
@@ -319,6 +329,8 @@ class RLWorker(TrainWorker):
         stats = torch.zeros(9, dtype=torch.float64)
         # old log-probs computed here (targets.old_logp None): [|rollout - old| sum, KL k1 sum, KL k3 sum], max gap
         self._old_checks, self._old_gap_max = torch.zeros(3, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        # `prepare` skipped and the policy has active dropout: old log-probs come from an eval-mode pass, as there
+        self._old_in_eval = targets.prepare_in_update and targets.old_logp is None and _dropout_active(self.policy)
         grad_norms, critic_norms, t0 = [], [], time.time()
         for epoch in range(targets.epochs):
             g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step * 7919 + self.critic_step * 31 + epoch)
@@ -370,7 +382,7 @@ class RLWorker(TrainWorker):
         if targets.old_logp is None and self.job.train_policy:  # what compute_targets reports from `prepare`
             metrics["logp_mismatch_mean"] = float(self._old_checks[0]) / tok
             metrics["logp_mismatch_max"] = float(self._old_gap_max[0])
-            if full["ref"] is not None or (targets.reference_in_update and self.job.reference_path is not None):
+            if full["ref"] is not None or (targets.prepare_in_update and self.job.reference_path is not None):
                 metrics["kl_k1"] = float(self._old_checks[1]) / tok
                 metrics["kl_k3"] = float(self._old_checks[2]) / tok
         self._next_kl_coef = targets.next_kl_coef
@@ -414,12 +426,11 @@ class RLWorker(TrainWorker):
         old = full["old"][rows, :R] if full["old"] is not None else None
         ref = full["ref"][rows, :R] if full["ref"] is not None else None
         eval_old = None  # `prepare`'s eval-mode old log-probs, when the update computes what it would have
-        if targets.reference_in_update and self.job.train_policy:
+        if targets.prepare_in_update and self.job.train_policy:
             with self._autocast():
                 ref = self._reference_logp(ids, attn, pos, labels)
-                if old is None and _dropout_active(self.policy):  # train-mode log-probs differ: as `prepare`
-                    with torch.no_grad():
-                        eval_old = token_logprobs(response_logits(self.policy.eval(), ids, attn, pos), labels)
+                if self._old_in_eval:
+                    eval_old = self._eval_logp(ids, attn, pos, labels)
                     self.policy.train()
         scale = float(self.world)  # DDP averages gradients over ranks; our losses are already global sums
         if self.job.train_policy:

@@ -10,6 +10,7 @@ per-iteration rollout settings and DAPO's dynamic-sampling bookkeeping, which th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -197,7 +198,8 @@ def compute_targets(
 
     Token rewards: the sequence score on the last policy token, minus kl_coef * KL_t on every token when the KL is
     placed in the reward. Sequence estimators (grpo, dr_grpo, rloo, reinforce_pp_baseline) use s_i = sum_t r_t.
-    reference_in_update: there is a reference, and the update computes its log-probs itself (`_prepare_needed`).
+    reference_in_update: there is a reference, and the update computes its log-probs itself (`_prepare_needed`), so
+    its absence here is no error.
     """
     import torch
 
@@ -274,7 +276,6 @@ def compute_targets(
         t_max=width,
         kl_coef=kl_coef if cfg.kl_placement == "loss" else 0.0,
         next_kl_coef=next_kl,
-        reference_in_update=reference_in_update,
     )
     return targets, metrics
 
@@ -322,6 +323,7 @@ def _launch(
             prepared["old_logp"] = None
             in_update = job.reference_path is not None
             targets, target_metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs, in_update)
+            targets = dataclasses.replace(targets, prepare_in_update=True)
         t2 = time.time()
         result = group.run("update", batch_ref, targets, prefetch is None)[0]
         if prefetch is not None:
@@ -342,7 +344,7 @@ def _launch(
     # start-up (actors, process group, model loading) vs the work: old/ref log-probs + advantages, then the update
     target_metrics.update(startup_s=t1 - t0, prepare_s=t2 - t1, train_s=time.time() - t2)
     target_metrics["continued_in_memory"] = float(all(x == "continued" for x in loads))
-    target_metrics["reference_in_update"] = float(targets.reference_in_update)
+    target_metrics["reference_in_update"] = float(targets.prepare_in_update and job.reference_path is not None)
     return result, target_metrics
 
 
