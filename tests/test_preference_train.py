@@ -8,6 +8,7 @@ import time
 import pyarrow as pa
 import pytest
 
+from posttrain_core import tracking
 from posttrain_core.config import DPOConfig, RewardModelConfig
 
 TINY = dict(global_batch_size=16, micro_batch_size=8, max_seq_len=64, checkpoint_every=0, log_every=10)
@@ -16,6 +17,7 @@ TINY = dict(global_batch_size=16, micro_batch_size=8, max_seq_len=64, checkpoint
 def _runs(stage: str, key: str | None = None):
     from mlflow.tracking import MlflowClient
 
+    tracking.flush()  # stage records are written by a background thread; read them after it is done
     client = MlflowClient()
     experiments = [e.experiment_id for e in client.search_experiments()]
     query = f"tags.`posttrain.stage` = '{stage}'" + (f" and tags.`posttrain.key` = '{key}'" if key else "")
@@ -214,6 +216,7 @@ def test_reward_model_learns_and_its_checkpoint_scores_the_same(ray_session, tin
     )
     assert scores == pytest.approx([p["score"] for p in probes], abs=1e-5)
 
+    tracking.flush()  # the stage's last records (eval metrics, manifest) may still be queued on the tracking writer
     history = MlflowClient().get_metric_history(manifest["mlflow_run_id"], "train/accuracy")
     assert [h.step for h in history] == [1, 10, 20, 30, 40, 50, 60, 70, 80]
     assert MlflowClient().get_run(manifest["mlflow_run_id"]).data.metrics["eval/accuracy"] == m["eval_accuracy"]
