@@ -58,6 +58,31 @@ def test_same_seed_same_samples_whatever_the_batch(tiny_inputs, engine, prompts_
     assert other != sa
 
 
+def test_each_distinct_prompt_is_prefilled_once_for_all_its_samples(tiny_inputs, engine, prompts_table):
+    """The n samples of a prompt share its prefill; they decode as each sample would alone."""
+    from posttrain_core.rollout.hf_engine import HFEngine
+
+    _, _, base = tiny_inputs
+    prompts, params = prompts_table.slice(0, 3), SamplingSettings(n=4, temperature=1.0, max_tokens=6, seed=3)
+    shapes: list[tuple[int, ...]] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        shared = engine.generate(prompts, params)
+    finally:
+        hook.remove()
+    assert shapes[0][0] == 3 and set(shapes[1:]) == {(12, 1)}, shapes  # 3 prompt rows, then 12 sample rows
+    alone = HFEngine(base.uri, max_batch_size=1).generate(prompts, params)  # one sample per batch: nothing shared
+    assert shared.column("response_ids").to_pylist() == alone.column("response_ids").to_pylist()
+    gap = max(
+        abs(x - y)
+        for u, v in zip(shared.column("logprobs").to_pylist(), alone.column("logprobs").to_pylist(), strict=True)
+        for x, y in zip(u, v, strict=True)
+    )
+    assert gap < 1e-5
+
+
 def test_logprobs_equal_the_trainers(engine, prompts_table):
     """Raw-distribution log-probs (temperature 1, no top-p) whatever the sampling settings: |diff| < 1e-4 in fp32."""
     prompts = prompts_table.slice(0, 4)

@@ -205,15 +205,23 @@ class HFEngine:
 
     @torch.no_grad()
     def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingSettings) -> list[dict]:
-        """One batch: left-padded prefill, then one token per step for every unfinished row, with a KV cache."""
-        B, P = len(prompts), max(len(p) for p in prompts)
-        ids_B_P = torch.full((B, P), self.pad_id, dtype=torch.long)
-        mask_B_P = torch.zeros((B, P), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids_B_P[i, P - len(p) :] = torch.tensor(p)
-            mask_B_P[i, P - len(p) :] = 1
+        """One batch: left-padded prefill, then one token per step for every unfinished row, with a KV cache.
+
+        Each distinct prompt is prefilled once and its cache rows are copied to every sample of it (the n samples of
+        a prompt share their prompt): n times less prefill work, the same logits (a row's prefill does not depend on
+        which other rows share its batch, beyond float rounding; see the class docstring).
+        """
+        B = len(prompts)
+        first: dict[tuple[int, ...], int] = {}  # distinct prompt -> its row in the prefill batch
+        src_B = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts])
+        U, P = len(first), max(len(p) for p in prompts)
+        ids_U_P = torch.full((U, P), self.pad_id, dtype=torch.long)
+        mask_U_P = torch.zeros((U, P), dtype=torch.long)
+        for u, p in enumerate(first):  # left padding: every prompt ends where generation starts
+            ids_U_P[u, P - len(p) :] = torch.tensor(p)
+            mask_U_P[u, P - len(p) :] = 1
         # Positions count real tokens only, so a padded row sees the positions it would alone (as the trainer does).
-        pos_B_P = (mask_B_P.cumsum(-1) - 1).clamp_(min=0)
+        pos_U_P = (mask_U_P.cumsum(-1) - 1).clamp_(min=0)
         # Each sample's stream: torch.rand(max_tokens) from its own generator; step t uses element t.
         uniforms_B_T = torch.zeros((B, params.max_tokens))
         if params.temperature > 0:
@@ -227,11 +235,14 @@ class HFEngine:
         texts: list[str | None] = [None] * B  # set when a stop string ends the row
         finish: list[str | None] = [None] * B
         out = self.model(
-            input_ids=ids_B_P, attention_mask=mask_B_P, position_ids=pos_B_P, use_cache=True, logits_to_keep=1
+            input_ids=ids_U_P, attention_mask=mask_U_P, position_ids=pos_U_P, use_cache=True, logits_to_keep=1
         )
-        cache, pos_B = out.cache, pos_B_P[:, -1]
-        mask_B_L = torch.cat([mask_B_P, torch.ones((B, params.max_tokens), dtype=torch.long)], dim=1)
-        logits_B_V = out.logits[:, -1, :].float()
+        cache = out.cache
+        if U < B:
+            cache.reorder_cache(src_B)  # prompt rows -> sample rows (an index_select of every layer's keys/values)
+        pos_B = pos_U_P[src_B, -1]
+        mask_B_L = torch.cat([mask_U_P[src_B], torch.ones((B, params.max_tokens), dtype=torch.long)], dim=1)
+        logits_B_V = out.logits[src_B, -1, :].float()
         for step in range(params.max_tokens):
             next_B = sample_tokens(logits_B_V, uniforms_B_T[:, step], params.temperature, params.top_p)
             logp_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, next_B[:, None]).squeeze(-1)
