@@ -325,6 +325,53 @@ def test_selected_logits_equal_the_full_forward_and_its_gradients(arch, lora):
             assert torch.allclose(p.grad, grads[name], atol=1e-5), name
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prompts_give_the_full_rows_logits_and_gradients(arch, lora):
+    """Rows that repeat prompts (GRPO's n samples) with each distinct prompt run once: the full rows' response
+    logits and gradients, with prompts of different lengths (one of a single token), an empty response, right
+    padding, and rows in any order."""
+    from posttrain_core.models.heads import SelectedLogits
+    from posttrain_core.train.rl import RLBatch, encode, encode_shared, response_logits
+
+    def build():
+        m = build_tiny_model(arch=arch, vocab_size=300, seed=3)
+        return apply_lora(m, LoraSettings(r=4, alpha=8), seed=0) if lora else m
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 300, (n,), generator=g).tolist() for n in (7, 4, 1)]
+    which = [0, 1, 0, 2, 1, 0, 2]
+    lengths = [5, 3, 0, 4, 5, 1, 2]
+    responses = [torch.randint(4, 300, (n,), generator=g).tolist() for n in lengths]
+    batch = RLBatch(
+        prompt_ids=[prompts[w] for w in which], response_ids=responses, policy_mask=[[1] * n for n in lengths],
+        rollout_logprobs=[[0.0] * n for n in lengths], scores=[0.0] * 7, groups=which, correct=[False] * 7,
+    )  # fmt: skip
+    rows = [6, 0, 3, 1, 2, 5, 4]
+    ids, attn, pos, labels, mask = encode(batch, rows, 0)
+    shared = encode_shared(batch, rows, 0)
+    assert shared is not None and shared[3].ids_U_P.shape == (3, 6)  # 3 distinct prompts, all but their last token
+    assert encode_shared(batch, [0, 1, 3], 0) is None  # no prompt repeats: nothing to share
+
+    full_net, shared_net = SelectedLogits(build()), SelectedLogits(build())
+    full = response_logits(full_net, ids, attn, pos)
+    got = response_logits(shared_net, ids, attn, pos, shared)
+    assert got.shape == full.shape == (7, 5, 300)
+    real = mask.bool()
+    assert torch.allclose(got[real], full[real], atol=1e-5)
+    (full[real].logsumexp(-1) * torch.arange(1.0, 1 + real.sum())).sum().backward()
+    (got[real].logsumexp(-1) * torch.arange(1.0, 1 + real.sum())).sum().backward()
+    grads = dict(full_net.named_parameters())
+    for name, p in shared_net.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p.grad, grads[name].grad, atol=1e-5), name
+
+    model = build_tiny_model(vocab_size=300, seed=3)
+    model.config.model_type = "gemma2"  # not a plain head: no shared path
+    with pytest.raises(ValueError, match="plain-head"):
+        SelectedLogits(model)(*shared)
+
+
 def test_selected_logits_fall_back_to_the_models_own_forward():
     """An architecture whose logits are not a plain projection (or is unknown) keeps its own forward."""
     from posttrain_core.models.heads import SelectedLogits

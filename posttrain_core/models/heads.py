@@ -8,6 +8,8 @@ peaked at 1,303 MiB with full logits and 1,189 MiB with the labelled positions o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Architectures whose logits are exactly lm_head(final hidden state). Others (logit soft-capping, logit scaling, ...)
@@ -38,19 +40,68 @@ class SelectedLogits(torch.nn.Module):
         self.lm = lm
         self.plain = plain_head(lm)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        select: torch.Tensor,
+        prefix: SharedPrefix | None = None,
+    ) -> torch.Tensor:
         """Logits at `select`.
 
         Args:
             input_ids, attention_mask: B x L.
             select: a bool B x L mask (returns N x V, the selected positions in row-major order), or long B x R
                 positions (returns B x R x V, position select[b, r] of row b).
+            prefix: the rows' shared prompts (`SharedPrefix`): each runs once, and input_ids / attention_mask /
+                select are the rows' tokens after it. Plain-head models only.
         """
+        if prefix is not None:
+            if not self.plain:
+                raise ValueError(f"SelectedLogits: a shared prefix needs a plain-head model, not {type(self.lm)}")
+            return self.lm.get_output_embeddings()(_pick(self._after_prefix(input_ids, attention_mask, prefix), select))
         if self.plain:
             hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             return self.lm.get_output_embeddings()(_pick(hidden.last_hidden_state, select))
         logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         return _pick(logits, select)
+
+    def _after_prefix(self, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor, prefix: SharedPrefix) -> torch.Tensor:
+        """Final hidden states of the rows' own tokens, attending to their prompt's cached keys and values."""
+        from transformers import DynamicCache
+
+        decoder, cache, mask = self.lm.get_decoder(), DynamicCache(), mask_B_T
+        if prefix.ids_U_P.shape[1] > 0:
+            positions_U_P = (prefix.mask_U_P.cumsum(-1) - 1).clamp(min=0)
+            decoder(
+                input_ids=prefix.ids_U_P, attention_mask=prefix.mask_U_P, position_ids=positions_U_P, cache=cache,
+                use_cache=True,
+            )  # fmt: skip
+            cache.reorder_cache(prefix.rows_B)  # prompt -> its rows (an index_select: gradients sum back per prompt)
+            mask = torch.cat([prefix.mask_U_P[prefix.rows_B], mask_B_T], dim=1)
+        out = decoder(
+            input_ids=ids_B_T, attention_mask=mask, position_ids=prefix.positions_B_T, cache=cache, use_cache=True
+        )
+        return out.last_hidden_state
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Rows whose sequences start with the same prompts, encoded so that each distinct prompt runs once.
+
+    GRPO-style batches hold n responses to each prompt: the forward (and backward) over a prompt's tokens is the same
+    for all n, so it runs once per distinct prompt and the rows attend to its keys and values (a KV cache copied to
+    them, which autograd sums back). Same logits as the full rows up to float rounding (~1e-6).
+
+    ids_U_P / mask_U_P: each distinct prompt but its last token, left-padded (P may be 0); rows_B: each row's prompt
+    in them; positions_B_T: the sequence positions of the rows' own tokens (the prompt's last token, then the
+    response), which are `SelectedLogits.forward`'s input_ids.
+    """
+
+    ids_U_P: torch.Tensor
+    mask_U_P: torch.Tensor
+    rows_B: torch.Tensor
+    positions_B_T: torch.Tensor
 
 
 def _pick(x_B_L_D: torch.Tensor, select: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from posttrain_core.train.loop import IGNORE, TrainWorker, data_parallel, peak_r
 
 STATE_FILE = "trainer_state.pt"  # optimizer states, step count: the policy artifact carries them to the next update
 CRITIC_DIR = "critic"
+SHARE_PROMPTS_ENV = "POSTTRAIN_SHARE_PROMPTS"  # "0": no shared-prompt forward (`encode_shared`)
 
 
 @dataclass(frozen=True)
@@ -123,17 +124,54 @@ def encode(batch: RLBatch, rows: list[int], pad_id: int):
     return ids, attn, pos, labels, mask
 
 
-def response_logits(model: Any, ids, attn, pos):
+def encode_shared(batch: RLBatch, rows: list[int], pad_id: int):
+    """`rows` encoded so that each distinct prompt runs once (`SharedPrefix`): (input_ids_B_T, attention_B_T,
+    select_B_R, prefix), or None when no two rows share a prompt (nothing to save).
+
+    Row b's own tokens are its prompt's last token, then its response but the last token: own position j predicts
+    response token j (select_B_R[b, j] = j). Labels and masks are `encode`'s.
+    """
+    import torch
+
+    from posttrain_core.models.heads import SharedPrefix
+
+    first: dict[tuple[int, ...], int] = {}  # distinct prompt -> its row in the prefix batch
+    rows_B = [first.setdefault(tuple(batch.prompt_ids[i]), len(first)) for i in rows]
+    if len(first) == len(rows) or min(len(p) for p in first) == 0:
+        return None
+    P, R = max(len(p) for p in first) - 1, max(1, max(len(batch.response_ids[i]) for i in rows))
+    ids_U_P = torch.full((len(first), P), pad_id, dtype=torch.long)
+    mask_U_P = torch.zeros((len(first), P), dtype=torch.long)
+    for u, prompt in enumerate(first):  # left padding: every prompt ends where its rows' own tokens start
+        if len(prompt) > 1:
+            ids_U_P[u, P - len(prompt) + 1 :] = torch.tensor(prompt[:-1])
+            mask_U_P[u, P - len(prompt) + 1 :] = 1
+    ids_B_T = torch.full((len(rows), R), pad_id, dtype=torch.long)
+    attn_B_T = torch.zeros((len(rows), R), dtype=torch.long)
+    positions_B_T = torch.zeros((len(rows), R), dtype=torch.long)
+    for b, i in enumerate(rows):
+        prompt, response = batch.prompt_ids[i], batch.response_ids[i]
+        own = [prompt[-1], *response[:-1]]
+        ids_B_T[b, : len(own)] = torch.tensor(own)
+        attn_B_T[b, : len(own)] = 1
+        positions_B_T[b] = torch.arange(len(prompt) - 1, len(prompt) - 1 + R)
+    select_B_R = torch.arange(R).expand(len(rows), R)
+    return ids_B_T, attn_B_T, select_B_R, SharedPrefix(ids_U_P, mask_U_P, torch.tensor(rows_B), positions_B_T)
+
+
+def response_logits(model: Any, ids, attn, pos, shared=None):
     """logits_B_R_V (fp32) of the response tokens: the LM head runs on those positions only (`SelectedLogits`).
 
-    `model` is a causal LM, or a `SelectedLogits` (possibly inside DDP) around one.
+    `model` is a causal LM, or a `SelectedLogits` (possibly inside DDP) around one. `shared` (from `encode_shared`):
+    the same logits with each distinct prompt run once; ids / attn / pos are then unused.
     """
     import torch
 
     from posttrain_core.models.heads import SelectedLogits
 
     wrapped = isinstance(model, SelectedLogits | torch.nn.parallel.DistributedDataParallel)
-    return (model if wrapped else SelectedLogits(model))(ids, attn, pos).float()
+    net = model if wrapped else SelectedLogits(model)
+    return (net(*shared) if shared is not None else net(ids, attn, pos)).float()
 
 
 def _chunks(rows: list[int], size: int) -> list[list[int]]:
@@ -160,7 +198,7 @@ class RLWorker(TrainWorker):
         self.release()
 
         from posttrain_core.models.critic import build_critic
-        from posttrain_core.models.heads import SelectedLogits
+        from posttrain_core.models.heads import SelectedLogits, plain_head
         from posttrain_core.models.loading import (
             _is_peft,
             check_model_path,
@@ -184,6 +222,11 @@ class RLWorker(TrainWorker):
             settings = LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
             self.policy = apply_lora(self.policy, settings, seed=cfg.seed)
         self.lora = _is_peft(self.policy)
+        # Each distinct prompt of a micro-batch runs once (`encode_shared`): plain-head models; not with gradient
+        # checkpointing (its training forward keeps no KV cache). POSTTRAIN_SHARE_PROMPTS=0 runs every row in full.
+        self.share_prompts = (
+            os.environ.get(SHARE_PROMPTS_ENV, "1") != "0" and plain_head(self.policy) and not cfg.gradient_checkpointing
+        )
         if cfg.gradient_checkpointing and job.train_policy:
             enable_gradient_checkpointing(self.policy)
         self.reference = None
@@ -257,11 +300,12 @@ class RLWorker(TrainWorker):
         with torch.no_grad(), self._autocast():
             for chunk in _chunks(rows, 2 * self.cfg.micro_batch_size):
                 ids, attn, pos, labels, mask = encode(batch, chunk, self.pad_id)
+                shared = self._shared(batch, chunk)
                 lengths = [len(batch.response_ids[i]) for i in chunk]
                 if not skip_old:
-                    old = self._eval_logp(ids, attn, pos, labels)
+                    old = self._eval_logp(ids, attn, pos, labels, shared)
                     out["old_logp"] += [old[b, :n].tolist() for b, n in enumerate(lengths)]
-                ref = self._reference_logp(ids, attn, pos, labels)
+                ref = self._reference_logp(ids, attn, pos, labels, shared)
                 if ref is not None:
                     out["ref_logp"] += [ref[b, :n].tolist() for b, n in enumerate(lengths)]
                 if self.critic is not None:
@@ -273,7 +317,11 @@ class RLWorker(TrainWorker):
             self.critic.train()
         return out
 
-    def _eval_logp(self, ids, attn, pos, labels):
+    def _shared(self, batch: RLBatch, rows: list[int]):
+        """`encode_shared` of `rows` when this worker shares prompts, else None."""
+        return encode_shared(batch, rows, self.pad_id) if self.share_prompts else None
+
+    def _eval_logp(self, ids, attn, pos, labels, shared=None):
         """The policy's log-probs of one encoded chunk in eval mode (dropout off), without gradients. The policy is
         left in eval mode (`prepare` runs its other passes so); the caller puts it back in train mode."""
         import torch
@@ -281,9 +329,9 @@ class RLWorker(TrainWorker):
         from posttrain_core.algorithms.rl import token_logprobs
 
         with torch.no_grad():
-            return token_logprobs(response_logits(self.policy.eval(), ids, attn, pos), labels)
+            return token_logprobs(response_logits(self.policy.eval(), ids, attn, pos, shared), labels)
 
-    def _reference_logp(self, ids, attn, pos, labels):
+    def _reference_logp(self, ids, attn, pos, labels, shared=None):
         """Reference log-probs of one encoded chunk, without gradients: the frozen reference model, or for LoRA the
         policy with its adapter disabled; None when the job has no reference."""
         import torch
@@ -295,9 +343,9 @@ class RLWorker(TrainWorker):
         with torch.no_grad():
             if self.lora:
                 with self.policy.disable_adapter():
-                    return token_logprobs(response_logits(self.policy, ids, attn, pos), labels)
+                    return token_logprobs(response_logits(self.policy, ids, attn, pos, shared), labels)
             if self.reference is not None:
-                return token_logprobs(response_logits(self.reference, ids, attn, pos), labels)
+                return token_logprobs(response_logits(self.reference, ids, attn, pos, shared), labels)
         return None
 
     def update(self, batch: RLBatch, targets: Targets, save: bool = True) -> dict[str, Any]:
@@ -421,6 +469,7 @@ class RLWorker(TrainWorker):
 
         cfg, out = self.cfg, torch.zeros(9, dtype=torch.float64)
         ids, attn, pos, labels, mask = encode(batch, rows, self.pad_id)
+        shared = self._shared(batch, rows) if self.job.train_policy else None
         R = mask.shape[1]
         adv, m = full["adv"][rows, :R], full["mask"][rows, :R]
         old = full["old"][rows, :R] if full["old"] is not None else None
@@ -428,15 +477,15 @@ class RLWorker(TrainWorker):
         eval_old = None  # `prepare`'s eval-mode old log-probs, when the update computes what it would have
         if targets.prepare_in_update and self.job.train_policy:
             with self._autocast():
-                ref = self._reference_logp(ids, attn, pos, labels)
+                ref = self._reference_logp(ids, attn, pos, labels, shared)
                 if self._old_in_eval:
-                    eval_old = self._eval_logp(ids, attn, pos, labels)
+                    eval_old = self._eval_logp(ids, attn, pos, labels, shared)
                     self.policy.train()
         scale = float(self.world)  # DDP averages gradients over ranks; our losses are already global sums
         if self.job.train_policy:
             no_sync = contextlib.nullcontext() if sync else self.ddp_policy.no_sync()
             with no_sync, self._autocast():
-                logits = response_logits(self.ddp_policy, ids, attn, pos)
+                logits = response_logits(self.ddp_policy, ids, attn, pos, shared)
                 logp = token_logprobs(logits, labels)
                 if old is None:  # the only optimizer step on this batch: these weights sampled it
                     old = eval_old if eval_old is not None else logp.detach()
