@@ -6,6 +6,8 @@ must raise the log-prob of the rewarded responses and lower the others'.
 
 from __future__ import annotations
 
+import math
+
 import pyarrow as pa
 import pytest
 
@@ -157,7 +159,6 @@ def test_reference_log_probs_computed_inside_the_update_match_the_separate_pass(
     """One optimizer step per batch with the KL in the loss (GRPO, 1 epoch x 1 mini-batch): the driver needs nothing
     from `prepare`, so each update micro-step computes its rows' reference log-probs itself. The update must be the
     one the separate reference pass gives (same losses, KL and gradient norm, up to float rounding)."""
-    import math
 
     from posttrain_core.config import LoraConfig, RLConfig
     from posttrain_core.train.rl_stage import PREPARE_ENV, run_rl_update
@@ -184,6 +185,32 @@ def test_reference_log_probs_computed_inside_the_update_match_the_separate_pass(
     lora = RLConfig(**settings, micro_batch_size=8, lora=LoraConfig(r=4, alpha=8))
     c = store.manifest(run_rl_update(lora, [scored], base, base, store))["metrics"]
     assert c["reference_in_update"] == 1.0 and c["kl_k1"] == 0.0 and c["kl_k3"] == 0.0, c
+
+
+def test_shared_prompts_and_the_worker_count_leave_the_update_the_same(sampled, monkeypatch):
+    """Each group's prompt run once (a rank takes whole groups) or every row in full, on 2 workers or 1: the same
+    losses, entropy and gradient norm, since every split of a mini-batch sums to the same gradient."""
+    from posttrain_core.config import RLConfig
+    from posttrain_core.train.rl_stage import SHARE_PROMPTS_ENV, run_rl_update
+
+    store, base, rollouts = sampled
+    scored = _scored_with(store, rollouts, lambda k: [1.0, 0.0, 0.5, 0.0][k], "shared")
+    settings = dict(algorithm="grpo", lr=1e-3, ppo_epochs=1, mini_batches=2, kl_coef=0.1)
+    # micro-batch sizes differ so that each run is its own stage (another key), not a cache hit
+    two = store.manifest(run_rl_update(RLConfig(**settings, micro_batch_size=4), [scored], base, base, store))
+    one = store.manifest(
+        run_rl_update(RLConfig(**settings, micro_batch_size=8, num_workers=1), [scored], base, base, store)
+    )
+    monkeypatch.setenv(SHARE_PROMPTS_ENV, "0")
+    full = store.manifest(run_rl_update(RLConfig(**settings, micro_batch_size=6), [scored], base, base, store))
+
+    # 6 prompts x 4 samples: a mini-batch of 12 rows holds whole groups on each rank, so prompts run once per group
+    assert two["metrics"]["prompt_tokens_shared_frac"] > 0.2, two["metrics"]
+    assert one["metrics"]["prompt_tokens_shared_frac"] > 0.2 and full["metrics"]["prompt_tokens_shared_frac"] == 0.0
+    for other in (one, full):
+        for name in ("pg_loss", "kl_loss", "entropy", "clip_frac", "grad_norm", "logp_mismatch_mean"):
+            a, b = two["metrics"][name], other["metrics"][name]
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), (name, a, b)
 
 
 def test_update_without_prepare_keeps_eval_mode_old_log_probs_under_dropout(sampled, tiny_inputs, tmp_path):

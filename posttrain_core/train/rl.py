@@ -7,8 +7,9 @@ disabled) and the critic's values; the driver gathers them and computes advantag
 (group statistics and whitening need all of it). When the driver needs none of that before the update (one optimizer
 step per batch, no critic, KL in the loss or none), it skips phase 1 and each micro-step of phase 2 computes its rows'
 reference log-probs itself (`Targets.prepare_in_update`). Phase 2, `RLWorker.update`: `epochs` passes; each pass shuffles the
-rows (seeded by the optimizer step) and cuts them into `mini_batches` optimizer steps; rank r takes rows r::world of
-a mini-batch in micro-batches. Every loss term is aggregated with the *mini-batch's global* token / sequence counts,
+rows (seeded by the optimizer step) and cuts them into `mini_batches` optimizer steps; rank r takes the r-th contiguous
+share of a mini-batch's rows sorted by group, in micro-batches (a group's rows meet, so its prompt runs once in the
+forward: `encode_shared`). Every loss term is aggregated with the *mini-batch's global* token / sequence counts,
 so the summed gradient over ranks and micro-batches equals the full mini-batch's (independent of the worker count).
 
 Tensors live in "response coordinates": row i, column j is response token j, predicted by the logits at sequence
@@ -31,7 +32,6 @@ from posttrain_core.train.loop import IGNORE, TrainWorker, data_parallel, peak_r
 
 STATE_FILE = "trainer_state.pt"  # optimizer states, step count: the policy artifact carries them to the next update
 CRITIC_DIR = "critic"
-SHARE_PROMPTS_ENV = "POSTTRAIN_SHARE_PROMPTS"  # "0": no shared-prompt forward (`encode_shared`)
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class RLJob:
     policy_key: str | None = None
     critic_key: str | None = None
     output_key: str | None = None
+    # Each distinct prompt of a micro-batch runs once in the forward passes (`encode_shared`): the same logits and
+    # gradients up to float rounding. The driver sets it from POSTTRAIN_SHARE_PROMPTS ("0": every row in full).
+    share_prompts: bool = True
 
 
 @dataclass(frozen=True)
@@ -222,11 +225,9 @@ class RLWorker(TrainWorker):
             settings = LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
             self.policy = apply_lora(self.policy, settings, seed=cfg.seed)
         self.lora = _is_peft(self.policy)
-        # Each distinct prompt of a micro-batch runs once (`encode_shared`): plain-head models; not with gradient
-        # checkpointing (its training forward keeps no KV cache). POSTTRAIN_SHARE_PROMPTS=0 runs every row in full.
-        self.share_prompts = (
-            os.environ.get(SHARE_PROMPTS_ENV, "1") != "0" and plain_head(self.policy) and not cfg.gradient_checkpointing
-        )
+        # Each distinct prompt of a micro-batch runs once (`encode_shared`, when `job.share_prompts`): plain-head
+        # models, and not with gradient checkpointing (its training forward keeps no KV cache).
+        self.can_share = plain_head(self.policy) and not cfg.gradient_checkpointing
         if cfg.gradient_checkpointing and job.train_policy:
             enable_gradient_checkpointing(self.policy)
         self.reference = None
@@ -318,8 +319,8 @@ class RLWorker(TrainWorker):
         return out
 
     def _shared(self, batch: RLBatch, rows: list[int]):
-        """`encode_shared` of `rows` when this worker shares prompts, else None."""
-        return encode_shared(batch, rows, self.pad_id) if self.share_prompts else None
+        """`encode_shared` of `rows` when the job and the models allow it, else None."""
+        return encode_shared(batch, rows, self.pad_id) if self.job.share_prompts and self.can_share else None
 
     def _eval_logp(self, ids, attn, pos, labels, shared=None):
         """The policy's log-probs of one encoded chunk in eval mode (dropout off), without gradients. The policy is
@@ -373,8 +374,9 @@ class RLWorker(TrainWorker):
             "mask": pad([[float(x) for x in m] for m in batch.policy_mask], width),
             "correct": torch.tensor([float(c) for c in batch.correct]),
         }
-        # [pg loss, kl loss, entropy sum, clip sum, approx-kl sum, value loss, vf-clip sum, nll loss, tokens]
-        stats = torch.zeros(9, dtype=torch.float64)
+        # [pg loss, kl loss, entropy sum, clip sum, approx-kl sum, value loss, vf-clip sum, nll loss, tokens,
+        #  sequence tokens of the policy's forwards, of them run (less with shared prompts)]
+        stats = torch.zeros(11, dtype=torch.float64)
         # old log-probs computed here (targets.old_logp None): [|rollout - old| sum, KL k1 sum, KL k3 sum], max gap
         self._old_checks, self._old_gap_max = torch.zeros(3, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         # `prepare` skipped and the policy has active dropout: old log-probs come from an eval-mode pass, as there
@@ -391,7 +393,11 @@ class RLWorker(TrainWorker):
                     t_max=float(cfg.t_max or targets.t_max),
                 )
                 nll_tokens = float((full["mask"][mb] * full["correct"][mb, None]).sum())
-                mine = mb[self.rank :: world]
+                # This rank's rows: a contiguous share of the mini-batch sorted by group, so that a group's rows
+                # (one prompt) meet in one micro-batch and its prompt runs once (`encode_shared`). Losses use the
+                # mini-batch's global counts: any split of it sums to the same gradient.
+                by_group = sorted(mb, key=lambda i: (batch.groups[i], i))
+                mine = by_group[len(mb) * self.rank // world : len(mb) * (self.rank + 1) // world]
                 micro = _chunks(mine, cfg.micro_batch_size)
                 for j, rows in enumerate(micro):
                     sync = world == 1 or j == len(micro) - 1
@@ -421,6 +427,8 @@ class RLWorker(TrainWorker):
             "value_loss": float(stats[5]) / steps,
             "vf_clip_frac": float(stats[6]) / tok,
             "nll_loss": float(stats[7]) / steps,
+            # the share of the policy's sequence tokens that shared prompts spared from running (`encode_shared`)
+            "prompt_tokens_shared_frac": 1.0 - float(stats[10]) / max(float(stats[9]), 1.0),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
             "critic_grad_norm": sum(critic_norms) / len(critic_norms) if critic_norms else 0.0,
             "optimizer_steps": float(self.step),
@@ -467,9 +475,11 @@ class RLWorker(TrainWorker):
         )
         from posttrain_core.models.critic import token_values
 
-        cfg, out = self.cfg, torch.zeros(9, dtype=torch.float64)
+        cfg, out = self.cfg, torch.zeros(11, dtype=torch.float64)
         ids, attn, pos, labels, mask = encode(batch, rows, self.pad_id)
         shared = self._shared(batch, rows) if self.job.train_policy else None
+        out[9] = float(attn.sum())
+        out[10] = float(shared[1].sum() + shared[3].mask_U_P.sum()) if shared is not None else out[9]
         R = mask.shape[1]
         adv, m = full["adv"][rows, :R], full["mask"][rows, :R]
         old = full["old"][rows, :R] if full["old"] is not None else None

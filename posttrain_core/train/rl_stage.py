@@ -49,7 +49,9 @@ class DynamicSamplingError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------- flow helpers
-def iteration_rollout(cfg: RolloutConfig, iteration: int, gen_batch: int = 0, max_gen_batches: int = 1) -> RolloutConfig:
+def iteration_rollout(
+    cfg: RolloutConfig, iteration: int, gen_batch: int = 0, max_gen_batches: int = 1
+) -> RolloutConfig:
     """The rollout settings of one iteration: the next window of `max_prompts` prompts and a seed of its own.
 
     Iteration k (from 1; 0 is the initial policy's batch for value pretraining), generation batch j takes the
@@ -350,6 +352,7 @@ def _launch(
 
 PREFETCH_ENV = "POSTTRAIN_PREFETCH_ROLLOUT"  # "0": the next rollout starts only after the update is published
 OLD_PASS_ENV = "POSTTRAIN_RL_OLD_LOGP_PASS"  # "1": always compute old log-probs in a pass of their own
+SHARE_PROMPTS_ENV = "POSTTRAIN_SHARE_PROMPTS"  # "0": every row runs its prompt in full (`RLJob.share_prompts`)
 PREPARE_ENV = "POSTTRAIN_RL_PREPARE_PASS"  # "1": reference log-probs in `prepare` even when nothing else needs it
 
 
@@ -516,6 +519,7 @@ def run_rl_update(
             policy_key=policy.key,
             critic_key=critic.key if critic is not None else None,
             output_key=ctx.key,
+            share_prompts=os.environ.get(SHARE_PROMPTS_ENV, "1") != "0",
         )
         log.info(
             "%s: %s on %d samples (%d groups), %d workers, %d epochs x %d mini-batches",
