@@ -244,11 +244,22 @@ class RunLogger:
 
     With `background=True` (the loggers of `flow_run` and `stage_run`) each call only captures its values and queues
     the write (see `_Writer`); a write that fails is logged, not raised. Without it every call writes before
-    returning.
+    returning. `run_id` may be the Future of a run being created on the writer (`stage_run`): writes queued after the
+    creation find it done; reading `run_id` elsewhere waits for it (and raises if the creation failed).
     """
 
-    def __init__(self, uri: str, run_id: str, background: bool = False):
-        self.uri, self.run_id, self.background = uri, run_id, background
+    def __init__(self, uri: str, run_id: str | Future, background: bool = False, label: str = ""):
+        self.uri, self._run_id, self.background = uri, run_id, background
+        self.label = label or (run_id if isinstance(run_id, str) else "a stage")
+
+    @property
+    def run_id(self) -> str:
+        if isinstance(self._run_id, Future):
+            self._run_id = self._run_id.result()
+        return self._run_id
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_run_id": self.run_id}
 
     def _client(self):
         from mlflow.tracking import MlflowClient
@@ -257,7 +268,7 @@ class RunLogger:
 
     def _write(self, what: str, fn: Callable[[], Any]) -> None:
         if self.background:
-            _WRITER.submit(f"{what} of run {self.run_id}", fn)
+            _WRITER.submit(f"{what} of run {self.label}", fn)
         else:
             fn()
 
@@ -359,7 +370,7 @@ def end_orphaned_runs(store_root: str | os.PathLike | None) -> int:
 
 
 @contextlib.contextmanager
-def _ended(c, run_id: str, background: bool = False) -> Iterator[None]:
+def _ended(c, run: RunLogger, background: bool = False) -> Iterator[None]:
     """End the run when the block exits: FINISHED; FAILED for an error; KILLED for a cancellation (a BaseException:
     Prefect's termination signal, Ctrl-C, exit). `background`: queue the write (see `_Writer`)."""
     status = "KILLED"
@@ -371,9 +382,9 @@ def _ended(c, run_id: str, background: bool = False) -> Iterator[None]:
         raise
     finally:
         if background:
-            _WRITER.submit(f"end run {run_id} ({status})", lambda: c.set_terminated(run_id, status))
+            _WRITER.submit(f"end run {run.label} ({status})", lambda: c.set_terminated(run.run_id, status))
         else:
-            c.set_terminated(run_id, status)
+            c.set_terminated(run.run_id, status)
 
 
 def _interrupted(err: BaseException) -> bool:
@@ -407,7 +418,7 @@ def flow_run(
     logger = RunLogger(tracking_uri(store_root), run.info.run_id, background=True)
     token, etoken = _PARENT.set(run.info.run_id), _EXPERIMENT.set(experiment)
     try:
-        with _ended(c, run.info.run_id):
+        with _ended(c, logger):
             try:
                 yield logger
             finally:  # the stages' records are written before the flow's run ends
@@ -439,8 +450,9 @@ def current_parent() -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def _experiment_of(store_root: str | os.PathLike | None, run_id: str) -> str:
-    """The experiment of a run: fixed for the run's life, so looked up once per process, not once per stage."""
-    return client(store_root).get_run(run_id).info.experiment_id
+    """The experiment of a run: fixed for the run's life, so looked up once per process, not once per stage. A parent
+    run is created synchronously (`flow_run`), so this reads it without waiting for the writer."""
+    return _unflushed_client(store_root).get_run(run_id).info.experiment_id
 
 
 @contextlib.contextmanager
@@ -450,8 +462,9 @@ def stage_run(
     """A run for one stage, nested under the current parent run if there is one; FAILED on error, KILLED when
     cancelled (as `flow_run`).
 
-    The run is created before the block starts (its id goes into the artifact's manifest); everything else is
-    written in the background (`_Writer`), the earlier stages' records first.
+    The run is created on the writer too, after the earlier stages' records, and the block starts at once: its id
+    (for the artifact's manifest) is `logger.run_id`, which waits for the creation. Creating it synchronously put the
+    writer's backlog (the previous stage's records, ~40 ms) between one stage and the next.
     """
     c = _unflushed_client(store_root)  # the run is created on the writer, after the records queued before it
     parent_id = _PARENT.get()
@@ -459,10 +472,12 @@ def stage_run(
     all_tags = {"posttrain.stage": stage, **_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
     if parent_id:
         all_tags["mlflow.parentRunId"] = parent_id
-    run = _WRITER.call(f"create the {stage} run", lambda: c.create_run(exp, run_name=stage, tags=all_tags))
-    logger = RunLogger(tracking_uri(store_root), run.info.run_id, background=True)
+    run = _WRITER.submit(
+        f"create the {stage} run", lambda: c.create_run(exp, run_name=stage, tags=all_tags).info.run_id, report=False
+    )
+    logger = RunLogger(tracking_uri(store_root), run, background=True, label=stage)
     logger.log_params(params)
-    with _ended(c, run.info.run_id, background=True):
+    with _ended(c, logger, background=True):
         yield logger
 
 

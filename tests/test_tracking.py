@@ -120,6 +120,28 @@ def test_stage_records_are_written_in_the_background_and_complete_after_flush():
     assert data.info.status == "FINISHED" and c.get_run(flow_id).info.status == "FINISHED"
 
 
+def test_a_stage_starts_without_waiting_for_the_writer_and_its_run_id_waits_for_the_creation():
+    """The stage's run is created on the writer behind the earlier records: the stage's work starts at once."""
+    import threading
+    import time
+
+    with tracking.flow_run(None, "background-test", "flow") as flow:
+        gate = threading.Event()
+        tracking._WRITER.submit("hold the writer", lambda: gate.wait(30))  # an earlier stage's slow records
+        started = time.time()
+        with tracking.stage_run(None, "stage", {"config": {"lr": 0.1}}) as run:
+            entered = time.time() - started
+            run.log_metrics({"loss": 1.0}, step=1)
+            assert not run._run_id.done()  # its creation is queued behind the held writer
+            threading.Timer(0.3, gate.set).start()
+            run_id = run.run_id  # waits for the creation, then is an ordinary id
+        assert entered < 0.25 and isinstance(run_id, str)
+    c = tracking.client()
+    data = c.get_run(run_id)
+    assert data.data.tags["mlflow.parentRunId"] == flow.run_id and data.data.params["config.lr"] == "0.1"
+    assert data.data.metrics["loss"] == 1.0 and data.info.status == "FINISHED"
+
+
 def test_a_failing_background_write_is_logged_counted_and_tagged_not_raised(caplog):
     with tracking.flow_run(None, "background-test", "flow") as flow:
         with tracking.stage_run(None, "stage", {}) as run:
