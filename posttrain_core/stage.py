@@ -200,9 +200,8 @@ def _build(stage, cfg, inputs, store, kind, build, schema_kind, key) -> Artifact
             **out.manifest,
         }
         ref = store.publish(key, kind, ctx.outdir, manifest, schema_kind=schema_kind)
-        tracker.log_metrics({f"final/{k}": v for k, v in out.metrics.items()})
         tracker.log_dict(store.manifest(ref), "manifest.json")
-        tracker.set_tags({"posttrain.artifact_uri": ref.uri})
+        tracker.log_batch({f"final/{k}": v for k, v in out.metrics.items()}, tags={"posttrain.artifact_uri": ref.uri})
     store.clear_staging(key)
     log.info("%s: published %s in %.1fs", stage, ref.uri, time.time() - started)
     return ref

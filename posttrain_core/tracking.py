@@ -284,12 +284,20 @@ class RunLogger:
         self._write("log params", write)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        from mlflow.entities import Metric
+        self.log_batch(metrics=metrics, step=step)
+
+    def log_batch(
+        self, metrics: Mapping[str, float] | None = None, tags: Mapping[str, Any] | None = None, step: int | None = None
+    ) -> None:
+        """Metrics and tags in one write (one SQLite transaction instead of two)."""
+        from mlflow.entities import Metric, RunTag
 
         ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items() if v is not None]
-        if items:
-            self._write("log metrics", lambda: self._client().log_batch(self.run_id, metrics=items))
+        items = [Metric(k, float(v), ts, step or 0) for k, v in (metrics or {}).items() if v is not None]
+        tag_items = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        if items or tag_items:
+            what = "log metrics" if not tag_items else "set tags" if not items else "log metrics and tags"
+            self._write(what, lambda: self._client().log_batch(self.run_id, metrics=items, tags=tag_items))
 
     def log_dict(self, obj: Any, name: str) -> None:
         text = json.dumps(obj, indent=2, default=str)  # now: the caller may change `obj` after this returns
@@ -307,11 +315,7 @@ class RunLogger:
         self._write(f"log artifact {path}", lambda: self._client().log_artifact(self.run_id, str(path)))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        from mlflow.entities import RunTag
-
-        if tags:
-            items = [RunTag(k, str(v)) for k, v in tags.items()]
-            self._write("set tags", lambda: self._client().log_batch(self.run_id, tags=items))
+        self.log_batch(tags=tags)
 
 
 def _owner_tags() -> dict[str, str]:

@@ -181,6 +181,33 @@ def test_bad_input_fails_before_ray(tiny_inputs, tmp_path, monkeypatch):
     assert len(store.list()) == before  # nothing published
 
 
+def test_the_context_check_loads_a_tokenizer_once_per_tokenizer_bytes(
+    tiny_inputs, prompts_table, tmp_path, monkeypatch
+):
+    """Another policy folder with the same tokenizer files reuses the tokenizer; changed files load it again."""
+    import shutil
+
+    import posttrain_core.models.loading as loading
+    from posttrain_core.rollout import stage
+
+    store, _, base = tiny_inputs
+    first, same, other = (tmp_path / name for name in ("first", "same", "other"))
+    for folder in (first, same, other):
+        shutil.copytree(store.local_path(base), folder)
+    template = other / "chat_template.jinja"
+    assert template.exists()
+    template.write_text(template.read_text() + "\n")
+    loads = []
+    real = loading.load_tokenizer
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(stage, "_TOKENIZERS", {})  # earlier tests of this process loaded the same tokenizer bytes
+    lengths = stage._prompt_lengths(first, prompts_table.slice(0, 5))
+    assert stage._prompt_lengths(same, prompts_table.slice(0, 5)) == lengths and loads == [first]
+    assert stage._prompt_lengths(same, prompts_table.slice(1, 5))[:4] == lengths[1:] and loads == [first]
+    stage._prompt_lengths(other, prompts_table.slice(0, 5))
+    assert loads == [first, other]  # other tokenizer bytes: loaded again
+
+
 def test_what_crosses_ray_pickles(tiny_inputs):
     import pickle
 

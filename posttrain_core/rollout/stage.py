@@ -6,6 +6,7 @@ Publishes a `rollouts` dataset (one row per sample, with the engine's log-probs)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -218,6 +219,38 @@ def select_prompts(cfg: RolloutConfig, prompts: ArtifactRef, store: ArtifactStor
     return table
 
 
+_TOKENIZERS: dict[str, Any] = {}  # sha256 of a folder's tokenizer files -> the tokenizer loaded from them
+_TOKENIZER_PREFIXES = ("tokenizer", "special_tokens", "added_tokens", "chat_template", "vocab", "merges")
+
+
+def _prompt_lengths(policy_path: Path, table: pa.Table) -> list[int]:
+    """Token counts of `table`'s rendered prompts with the policy's tokenizer.
+
+    The tokenizer is remembered per bytes of the folder's tokenizer files: every RL iteration checks its prompts
+    against a new policy folder whose tokenizer files are the same bytes, and loading it took ~15 ms of each
+    iteration's critical path. Used read-only. A folder without tokenizer files (a LoRA adapter saved without one)
+    loads its tokenizer every time.
+    """
+    from posttrain_core.data.chat import tokenize_prompt
+    from posttrain_core.models.loading import load_tokenizer
+
+    files = sorted(p for p in Path(policy_path).iterdir() if p.is_file() and p.name.startswith(_TOKENIZER_PREFIXES))
+    key = None
+    if files:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+        key = h.hexdigest()
+    tokenizer = _TOKENIZERS.get(key) if key else None
+    if tokenizer is None:
+        tokenizer = load_tokenizer(policy_path, require_chat_template=True)
+        if key is not None:
+            if len(_TOKENIZERS) >= 4:
+                _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+            _TOKENIZERS[key] = tokenizer
+    return [len(tokenize_prompt(tokenizer, m)) for m in table.column("messages").to_pylist()]
+
+
 def engine_batches(cfg: RolloutConfig, table: pa.Table) -> list[pa.Table]:
     """The prompt batches a warm pool's engines get (`prompts_per_call` rows each)."""
     rows = table.select(["prompt_id", "messages", "answer"])
@@ -235,8 +268,7 @@ def check_rollout_inputs(
             longest prompt + max_tokens beyond the model's context, or engine="vllm" without its environment.
         FileNotFoundError: the policy folder is missing.
     """
-    from posttrain_core.data.chat import tokenize_prompt
-    from posttrain_core.models.loading import check_model_path, load_tokenizer
+    from posttrain_core.models.loading import check_model_path
 
     if prompts.kind != "dataset" or prompts.schema_kind != "prompts":
         raise ValueError(
@@ -251,8 +283,7 @@ def check_rollout_inputs(
     ids = table.column("prompt_id").to_pylist()
     context = info.get("max_position_embeddings")
     if context:
-        tokenizer = load_tokenizer(policy_path, require_chat_template=True)
-        lengths = [len(tokenize_prompt(tokenizer, m)) for m in table.column("messages").to_pylist()]
+        lengths = _prompt_lengths(policy_path, table)
         longest = max(lengths)
         if longest + cfg.max_tokens > context:
             row = lengths.index(longest)
