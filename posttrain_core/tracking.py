@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from posttrain_core import tracking_process
 from posttrain_core.env import apply_defaults
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,16 @@ def client(store_root: str | os.PathLike | None = None):
     """An MLflow client on the store's tracking URI, after this process's pending records are written."""
     _WRITER.flush()
     return _unflushed_client(store_root)
+
+
+def _writer_client(store_root: str | os.PathLike | None = None):
+    """The client of the writer thread's records: the helper process's (`tracking_process`), or this process's."""
+    if not tracking_process.enabled():
+        return _unflushed_client(store_root)
+    apply_defaults()
+    uri = tracking_uri(store_root)
+    _init_sqlite_once(uri)  # created and migrated here, under the file lock, before the helper opens it
+    return tracking_process.RemoteClient(uri)
 
 
 def _unflushed_client(store_root: str | os.PathLike | None = None):
@@ -262,6 +273,8 @@ class RunLogger:
         return {**self.__dict__, "_run_id": self.run_id}
 
     def _client(self):
+        if self.background and tracking_process.enabled():  # on the writer thread: the helper process does the work
+            return tracking_process.RemoteClient(self.uri)
         from mlflow.tracking import MlflowClient
 
         return MlflowClient(tracking_uri=self.uri)
@@ -470,7 +483,7 @@ def stage_run(
     (for the artifact's manifest) is `logger.run_id`, which waits for the creation. Creating it synchronously put the
     writer's backlog (the previous stage's records, ~40 ms) between one stage and the next.
     """
-    c = _unflushed_client(store_root)  # the run is created on the writer, after the records queued before it
+    c = _writer_client(store_root)  # the run is created on the writer, after the records queued before it
     parent_id = _PARENT.get()
     exp = _experiment_of(store_root, parent_id) if parent_id else experiment_id(store_root, _EXPERIMENT.get())
     all_tags = {"posttrain.stage": stage, **_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}

@@ -1,0 +1,134 @@
+"""MLflow writes in a helper process: the tracking writer thread hands each client call to it and waits.
+
+Why: a stage's MLflow records (run creation, params, inputs, the manifest artifact, final metrics, the run's end) are
+~25 ms of SQLAlchemy and SQLite work per stage. On the tracking writer *thread* that work holds this process's GIL
+while the next stage runs in the main thread: in an RL iteration of the benchmark it stretched the serial path
+(rollout published -> score -> update start) by ~35 ms, and the iteration by ~65 ms (bench/NOTES.md, change 23).
+In a process of its own it holds only a core, and the writer thread waits on a pipe, without the GIL.
+
+`RemoteClient(uri)` has the `MlflowClient` methods; each call is pickled to the helper (`python -m
+posttrain_core.tracking_process`, started on first use, one per process), run there on an `MlflowClient` of the same
+tracking URI, and its result or exception pickled back. The helper ends when this process closes its end of the pipe
+(at exit). If it cannot be started, or dies, the call raises and the next call starts a new one; callers are the
+tracking writer's background writes, whose failures are logged and counted, never raised into a stage.
+`POSTTRAIN_TRACKING_PROCESS=0` keeps every write in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any, BinaryIO
+
+log = logging.getLogger(__name__)
+
+ENV = "POSTTRAIN_TRACKING_PROCESS"
+_HEADER = struct.Struct("<Q")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _send(stream: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError("the tracking process closed its pipe")
+    (size,) = _HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("the tracking process closed its pipe mid-message")
+    return pickle.loads(data)
+
+
+class _Helper:
+    """The helper process of this process (started on first use, restarted after it dies)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+
+    def call(self, uri: str, method: str, args: tuple, kwargs: dict) -> Any:
+        with self._lock:
+            proc = self._running()
+            try:
+                _send(proc.stdin, (uri, method, args, kwargs))
+                ok, value = _receive(proc.stdout)
+            except (OSError, EOFError) as err:
+                self._proc = None
+                proc.kill()
+                raise RuntimeError(f"the MLflow tracking process failed during {method}: {err}") from err
+        if not ok:
+            raise value
+        return value
+
+    def _running(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "posttrain_core.tracking_process"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        return self._proc
+
+
+_HELPER = _Helper()
+
+
+class RemoteClient:
+    """`MlflowClient(tracking_uri=uri)` whose method calls run in the helper process (see the module docstring)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return _HELPER.call(self.uri, method, args, kwargs)
+
+        return call
+
+
+def _serve() -> None:
+    """The helper's loop: (uri, method, args, kwargs) in, (ok, result or exception) out, until stdin closes."""
+    requests = sys.stdin.buffer
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints go to stderr, never into the protocol
+
+    from mlflow.tracking import MlflowClient
+
+    clients: dict[str, MlflowClient] = {}
+    while True:
+        try:
+            uri, method, args, kwargs = _receive(requests)
+        except EOFError:
+            return
+        try:
+            client = clients.get(uri) or clients.setdefault(uri, MlflowClient(tracking_uri=uri))
+            reply = (True, getattr(client, method)(*args, **kwargs))
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # noqa: BLE001 - sent back and raised by the caller
+            try:
+                data = pickle.dumps((False, err), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # noqa: BLE001 - an exception that does not pickle
+                data = pickle.dumps((False, RuntimeError(f"{type(err).__name__}: {err}")))
+        replies.write(_HEADER.pack(len(data)) + data)
+        replies.flush()
+
+
+if __name__ == "__main__":
+    _serve()
