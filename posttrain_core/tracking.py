@@ -427,6 +427,7 @@ def flow_run(
     Ends FINISHED, FAILED (an exception) or KILLED (cancelled: a BaseException such as Prefect's termination
     signal); runs left RUNNING by killed processes of this host are ended first (`end_orphaned_runs`).
     """
+    tracking_process.prestart()  # the stages' records go through it: its MLflow import overlaps this flow's start
     end_orphaned_runs(store_root)
     c = client(store_root)
     exp = experiment_id(store_root, experiment)

@@ -73,6 +73,11 @@ class _Helper:
             raise value
         return value
 
+    def start(self) -> None:
+        """Start the helper now (it imports MLflow, ~1-2 s, while the caller goes on), if it is not running."""
+        with self._lock:
+            self._running()
+
     def _running(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
@@ -85,6 +90,12 @@ class _Helper:
 
 
 _HELPER = _Helper()
+
+
+def prestart() -> None:
+    """Start this process's helper ahead of its first record (a flow run does, when it starts)."""
+    if enabled():
+        _HELPER.start()
 
 
 class RemoteClient:
