@@ -129,8 +129,11 @@ class WorkerGroup:
                     continue
                 try:
                     ray.get(done[0])
-                except Exception:
+                except Exception as err:
+                    died = _peer_death(pending, err)
                     self.shutdown()
+                    if died is not None:
+                        raise died from err
                     raise
         finally:
             if poll:
@@ -158,3 +161,25 @@ def split(items: Sequence[Any], n: int) -> list[list[Any]]:
             out.append(list(items[start:end]))
         start = end
     return out
+
+
+def _peer_death(pending: list, err: Exception, wait_s: float = 3.0) -> Exception | None:
+    """When one rank fails, the error to raise may be another's: a rank whose peer was killed fails in its next
+    collective ("Connection reset by peer") about when Ray reports the peer's death, and whichever comes first
+    decides whether the stage is retried (`tasks.common.is_transient` retries lost workers only). So a failure that
+    is not itself a lost worker waits up to `wait_s` for the other ranks and returns a lost worker's error if there
+    is one."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    if isinstance(err, RayActorError) or not pending:
+        return None
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError as died:
+            return died
+        except Exception:  # noqa: BLE001 - another rank's own error: the first one is raised
+            continue
+    return None

@@ -40,6 +40,40 @@ def _train_workers() -> list[psutil.Process]:
     return found
 
 
+def test_a_lost_worker_is_the_error_raised_even_when_a_peer_fails_first(ray_session):
+    """Which error a group raises decides whether its stage is retried (lost workers are, other errors are not):
+    the lost worker's, though its peer's collective error arrived first."""
+    from ray.exceptions import RayActorError
+
+    from posttrain_core.cluster import WorkerGroup
+    from tasks.common import is_transient
+
+    class Peer:  # defined here: Ray pickles it by value (the test module is not importable in its workers)
+        """Rank 1 fails at once, the way a rank fails whose peer died in a collective; rank 0, the peer, dies a
+        moment later."""
+
+        def __init__(self, rank: int, world: int):
+            self.rank = rank
+
+        def rendezvous(self) -> tuple[str, int]:
+            return "127.0.0.1", 0
+
+        def setup(self, addr: str, port: int) -> None:
+            pass
+
+        def step(self) -> None:
+            if self.rank == 0:
+                time.sleep(0.5)
+                os._exit(1)
+            raise RuntimeError("[gloo/transport/tcp/pair.cc] Read error: Connection reset by peer")
+
+    group = WorkerGroup(Peer, 2, num_cpus=0.5)
+    with pytest.raises(RayActorError) as raised:
+        group.run("step")
+    assert "Connection reset by peer" in str(raised.value.__cause__)
+    assert is_transient(None, None, type("State", (), {"data": raised.value})())
+
+
 def test_ray_worker_killed_mid_training_resumes_from_checkpoint(prefect_api, ray_session, tiny_inputs, tmp_path):
     from prefect import flow
 
