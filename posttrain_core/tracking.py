@@ -51,8 +51,8 @@ class _Writer:
     """One daemon thread that runs tracking writes in submission order.
 
     A failed write is logged and counted (`errors`), never raised into the stage that made it: the stage's artifact
-    and manifest are already safe, and a tracking hiccup must not fail the training behind them. `call` waits for
-    its own write, hence for every write submitted before it.
+    and manifest are already safe, and a tracking hiccup must not fail the training behind them. The Future that
+    `submit` returns settles after every write submitted before it (`stage_run` reads its run id from one).
     """
 
     def __init__(self) -> None:
@@ -73,10 +73,6 @@ class _Writer:
                 self._thread.start()
         self._queue.put((what, fn, future, report))
         return future
-
-    def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the writer after everything queued before it, and return its result (or raise its error)."""
-        return self.submit(what, fn, report=False).result()
 
     def flush(self) -> list[str]:
         """Wait until every write submitted so far is done; returns the errors since the last flush."""

@@ -104,6 +104,19 @@ class SharedPrefix:
     positions_B_T: torch.Tensor
 
 
+def left_padded(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_B_T, mask_B_T) of token lists padded on the left to the longest: every sequence ends at column T, where
+    generation (or the rows' own tokens after a `SharedPrefix`) continues. T may be 0."""
+    T = max((len(s) for s in seqs), default=0)
+    ids_B_T = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask_B_T = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        if s:
+            ids_B_T[b, T - len(s) :] = torch.tensor(s)
+            mask_B_T[b, T - len(s) :] = 1
+    return ids_B_T, mask_B_T
+
+
 def _pick(x_B_L_D: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
     if select.dtype == torch.bool:
         return x_B_L_D[select]

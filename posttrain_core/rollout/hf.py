@@ -23,17 +23,14 @@ def generate_texts(
     import torch
 
     from posttrain_core.data.chat import tokenize_prompt
+    from posttrain_core.models.heads import left_padded
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
         encoded = [tokenize_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
-        T = max(len(x) for x in encoded)
-        ids = torch.full((len(encoded), T), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(encoded), T), dtype=torch.long)
-        for i, x in enumerate(encoded):  # left padding: every prompt ends where generation starts
-            ids[i, T - len(x) :] = torch.tensor(x)
-            mask[i, T - len(x) :] = 1
+        ids, mask = left_padded(encoded, pad_id)  # every prompt ends where generation starts
+        T = ids.shape[1]
         with torch.no_grad():
             gen = model.generate(
                 input_ids=ids,

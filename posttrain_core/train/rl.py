@@ -136,19 +136,14 @@ def encode_shared(batch: RLBatch, rows: list[int], pad_id: int):
     """
     import torch
 
-    from posttrain_core.models.heads import SharedPrefix
+    from posttrain_core.models.heads import SharedPrefix, left_padded
 
     first: dict[tuple[int, ...], int] = {}  # distinct prompt -> its row in the prefix batch
     rows_B = [first.setdefault(tuple(batch.prompt_ids[i]), len(first)) for i in rows]
     if len(first) == len(rows) or min(len(p) for p in first) == 0:
         return None
-    P, R = max(len(p) for p in first) - 1, max(1, max(len(batch.response_ids[i]) for i in rows))
-    ids_U_P = torch.full((len(first), P), pad_id, dtype=torch.long)
-    mask_U_P = torch.zeros((len(first), P), dtype=torch.long)
-    for u, prompt in enumerate(first):  # left padding: every prompt ends where its rows' own tokens start
-        if len(prompt) > 1:
-            ids_U_P[u, P - len(prompt) + 1 :] = torch.tensor(prompt[:-1])
-            mask_U_P[u, P - len(prompt) + 1 :] = 1
+    R = max(1, max(len(batch.response_ids[i]) for i in rows))
+    ids_U_P, mask_U_P = left_padded([list(p[:-1]) for p in first], pad_id)  # each ends where its rows' tokens start
     ids_B_T = torch.full((len(rows), R), pad_id, dtype=torch.long)
     attn_B_T = torch.zeros((len(rows), R), dtype=torch.long)
     positions_B_T = torch.zeros((len(rows), R), dtype=torch.long)
