@@ -15,6 +15,7 @@ Layout under the store root (a local folder or any fsspec URI):
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ import os
 import posixpath
 import re
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -110,16 +112,32 @@ def ref_from_manifest(manifest: Mapping[str, Any], uri: str) -> ArtifactRef:
         raise ValueError(f"{uri}/{MANIFEST}: not a valid artifact manifest ({e})") from e
 
 
-def content_digest(folder: str | os.PathLike) -> str:
-    """sha256 over the files of a local folder: sorted relative paths, sizes and bytes; a top-level manifest.json
-    is excluded (it holds the digest itself)."""
-    h = hashlib.sha256()
+DIGEST_PREFIX = "blake3:"
+
+
+def content_digest(folder: str | os.PathLike, like: str | None = None) -> str:
+    """The digest of a local folder's content: its files' sorted relative paths, sizes and bytes; a top-level
+    manifest.json is excluded (it holds the digest itself).
+
+    BLAKE3, written `blake3:<64 hex>`: a cryptographic hash ~3x faster than sha256 on one core (a 123 MB checkpoint
+    in 27 ms, not 79; bench/NOTES.md, change 24), so publishing an RL update's checkpoint costs less of each
+    iteration. Artifacts of stores written before hold a bare sha256 hex digest: `like` = such a digest recomputes
+    the content the same way (verifying a download of an old artifact).
+    """
+    if like is not None and not like.startswith(DIGEST_PREFIX):
+        h, prefix = hashlib.sha256(), ""
+    else:
+        import blake3
+
+        h, prefix = blake3.blake3(), DIGEST_PREFIX
+    buf = bytearray(1 << 22)
+    view = memoryview(buf)
     for rel, path in _content_files(Path(folder)):
         h.update(f"{rel}\0{path.stat().st_size}\0".encode())
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+    return prefix + h.hexdigest()
 
 
 class ArtifactStore:
@@ -711,7 +729,7 @@ class ArtifactStore:
                 fs.get_file(f"{folder}/{entry['path']}", str(local))
             if not tmp.is_dir():
                 tmp.mkdir()
-            got = content_digest(tmp)
+            got = content_digest(tmp, like=ref.digest)
             if got != ref.digest:
                 raise ValueError(
                     f"artifact {ref.key}: content downloaded from {ref.uri} has digest {got}, not {ref.digest}"
@@ -801,6 +819,42 @@ def _remove_empty(folder: Path) -> None:
         folder.rmdir()
     except OSError:
         pass
+
+
+def start_writeback(folder: str | os.PathLike) -> None:
+    """Ask the kernel to start writing the dirty pages of a folder's files (or of one file) to disk now, without
+    waiting: Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`, nothing elsewhere. A stage that writes a large file
+    some time before it publishes calls it, so that the publish's fsync finds most of the bytes on disk already
+    (an RL update's 123 MB checkpoint: publish ~50 -> ~30 ms; bench/NOTES.md, change 24). Never raises: it only
+    changes when the bytes reach the disk, not whether (the publish fsyncs them all the same)."""
+    sync_file_range = _sync_file_range()
+    if sync_file_range is None:
+        return
+    root = Path(folder)
+    for path in [root] if root.is_file() else [p for _, p in _walk_files(root)]:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: start writeback of the whole file
+        finally:
+            os.close(fd)
+
+
+@functools.cache
+def _sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
 
 
 def _fsync(path: Path) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,6 +95,37 @@ def test_digest_deterministic_and_content_sensitive(store: ArtifactStore, tmp_pa
     assert first.digest == second.digest == content_digest(first.path)
     assert _publish(store, "k3" + "0" * 10, {**files, "a.bin": b"x" * 99 + b"z"}).digest != first.digest
     assert _publish(store, "k4" + "0" * 10, {"a2.bin": b"x" * 100, "sub/b.bin": b"y"}).digest != first.digest
+
+
+def test_digest_is_blake3_of_paths_sizes_and_bytes(store: ArtifactStore) -> None:
+    import blake3
+
+    ref = _publish(store, "k5" + "0" * 10, {"b.bin": b"yy", "a.bin": b"x"})
+    expected = blake3.blake3(b"a.bin\x001\x00x" + b"b.bin\x002\x00yy").hexdigest()
+    assert ref.digest == "blake3:" + expected == content_digest(ref.path)
+    legacy = hashlib.sha256(b"a.bin\x001\x00x" + b"b.bin\x002\x00yy").hexdigest()
+    assert content_digest(ref.path, like=legacy) == legacy  # a digest of an older store: recomputed as sha256
+
+
+def test_an_artifact_from_an_older_store_with_a_sha256_digest_downloads_and_is_verified(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    store = ArtifactStore(f"memory://posttrain-test-{uuid.uuid4().hex}")
+    ref = _publish(store, KEY, {"model.safetensors": b"w" * 1000})
+    fs = fsspec.filesystem("memory")
+    manifest_path = f"{store._root}/artifacts/ab/{KEY}/manifest.json"
+    manifest = json.loads(fs.cat_file(manifest_path))
+    manifest["digest"] = hashlib.sha256(b"model.safetensors\x001000\x00" + b"w" * 1000).hexdigest()
+    fs.pipe_file(manifest_path, json.dumps(manifest).encode())  # what a store written before BLAKE3 holds
+    old = store.get(KEY)
+    assert old.digest == manifest["digest"] != ref.digest
+    assert (store.local_path(old) / "model.safetensors").read_bytes() == b"w" * 1000
+    fresh = ArtifactStore(store.root)  # a new process: nothing cached from here on
+    shutil.rmtree(fresh.cache_root / KEY)
+    fs.pipe_file(f"{store._root}/artifacts/ab/{KEY}/model.safetensors", b"w" * 999 + b"!")  # corrupted in the store
+    with pytest.raises(ValueError, match=f"content downloaded from .* has digest .*, not {old.digest}"):
+        fresh.local_path(old)
 
 
 def test_publish_existing_key_returns_existing(store: ArtifactStore) -> None:
@@ -471,3 +504,21 @@ def test_delete_from_a_remote_store(tmp_path: Path, monkeypatch) -> None:
     assert store.sweep(max_age_s=0) == 1
     assert not store.fs.exists(f"{store._root}/artifacts/ab/{KEY}")
     assert _publish(store, KEY, {"model.safetensors": b"w" * 100}).key == KEY
+
+
+def test_start_writeback_starts_the_disk_write_of_a_folder_or_a_file_and_changes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    files = {"a.bin": os.urandom(1 << 20), "sub/b.bin": b"b"}
+    for rel, data in files.items():
+        (tmp_path / rel).write_bytes(data)
+    before = content_digest(tmp_path)
+    artifacts.start_writeback(tmp_path)
+    artifacts.start_writeback(tmp_path / "a.bin")
+    artifacts.start_writeback(tmp_path / "missing")  # nothing to do, no error: it only hurries the disk
+    assert content_digest(tmp_path) == before
+    if sys.platform.startswith("linux"):
+        fd = os.open(tmp_path / "a.bin", os.O_RDONLY)
+        try:
+            assert artifacts._sync_file_range()(fd, 0, 0, 2) == 0  # the call the kernel accepted
+        finally:
+            os.close(fd)

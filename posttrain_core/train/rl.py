@@ -563,6 +563,7 @@ class RLWorker(TrainWorker):
         as of the last `update`; returns the policy's model info."""
         import torch
 
+        from posttrain_core.artifacts import start_writeback
         from posttrain_core.models.loading import save_checkpoint
 
         out = Path(self.job.outdir)
@@ -571,6 +572,7 @@ class RLWorker(TrainWorker):
             info = save_checkpoint(self.policy, self.tokenizer, out)
         if self.critic is not None:
             self.critic.save_pretrained(str(out / CRITIC_DIR), safe_serialization=True)
+        start_writeback(out)  # the disk takes the weights while the optimizer state is written (artifacts.py)
         state = {"step": self.step, "critic_step": self.critic_step, "kl_coef": self._next_kl_coef}
         if self.opt is not None:
             state.update(policy_optimizer=self.opt.state_dict(), policy_scheduler=self.sched.state_dict())
@@ -579,6 +581,7 @@ class RLWorker(TrainWorker):
         tmp = out / f".{STATE_FILE}.tmp"
         torch.save(_interned(state), tmp)
         os.replace(tmp, out / STATE_FILE)
+        start_writeback(out / STATE_FILE)
         return info
 
 
