@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="posttrain-tests-"))
+if os.environ.get("POSTTRAIN_KEEP_TEST_DIR") != "1":  # =1 keeps the session's stores, databases and logs to look at
+    atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
 os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_DIR}/mlflow.db")
 os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(_SESSION_DIR / "prefect-results"))
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_DIR / "prefect-home"))
