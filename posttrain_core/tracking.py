@@ -120,14 +120,14 @@ def client(store_root: str | os.PathLike | None = None):
     return _unflushed_client(store_root)
 
 
-def _writer_client(store_root: str | os.PathLike | None = None):
+def _writer_client(uri: str):
     """The client of the writer thread's records: the helper process's (`tracking_process`), or this process's."""
-    if not tracking_process.enabled():
-        return _unflushed_client(store_root)
-    apply_defaults()
-    uri = tracking_uri(store_root)
     _init_sqlite_once(uri)  # created and migrated here, under the file lock, before the helper opens it
-    return tracking_process.RemoteClient(uri)
+    if tracking_process.enabled():
+        return tracking_process.RemoteClient(uri)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
 
 
 def _unflushed_client(store_root: str | os.PathLike | None = None):
@@ -270,8 +270,8 @@ class RunLogger:
         return {**self.__dict__, "_run_id": self.run_id}
 
     def _client(self):
-        if self.background and tracking_process.enabled():  # on the writer thread: the helper process does the work
-            return tracking_process.RemoteClient(self.uri)
+        if self.background:  # on the writer thread
+            return _writer_client(self.uri)
         from mlflow.tracking import MlflowClient
 
         return MlflowClient(tracking_uri=self.uri)
@@ -481,7 +481,8 @@ def stage_run(
     (for the artifact's manifest) is `logger.run_id`, which waits for the creation. Creating it synchronously put the
     writer's backlog (the previous stage's records, ~40 ms) between one stage and the next.
     """
-    c = _writer_client(store_root)  # the run is created on the writer, after the records queued before it
+    apply_defaults()
+    c = _writer_client(tracking_uri(store_root))  # the run is created on the writer, after the records queued before it
     parent_id = _PARENT.get()
     exp = _experiment_of(store_root, parent_id) if parent_id else experiment_id(store_root, _EXPERIMENT.get())
     all_tags = {"posttrain.stage": stage, **_owner_tags(), **{k: str(v) for k, v in (tags or {}).items()}}

@@ -36,7 +36,10 @@ def enabled() -> bool:
 
 
 def _send(stream: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    _send_pickled(stream, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _send_pickled(stream: BinaryIO, data: bytes) -> None:
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
 
@@ -137,8 +140,7 @@ def _serve() -> None:
                 data = pickle.dumps((False, err), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception:  # noqa: BLE001 - an exception that does not pickle
                 data = pickle.dumps((False, RuntimeError(f"{type(err).__name__}: {err}")))
-        replies.write(_HEADER.pack(len(data)) + data)
-        replies.flush()
+        _send_pickled(replies, data)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,14 @@ class SharedPrefix:
     positions_B_T: torch.Tensor
 
 
+def distinct(seqs: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """(the distinct sequences in order of first appearance, each sequence's index in them): the n samples of a
+    prompt find their one copy, which the hf engine prefills and the trainer runs once."""
+    first: dict[tuple[int, ...], int] = {}
+    rows = [first.setdefault(tuple(s), len(first)) for s in seqs]
+    return list(first), rows
+
+
 def left_padded(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids_B_T, mask_B_T) of token lists padded on the left to the longest: every sequence ends at column T, where
     generation (or the rows' own tokens after a `SharedPrefix`) continues. T may be 0."""

@@ -211,12 +211,12 @@ class HFEngine:
         a prompt share their prompt): n times less prefill work, the same logits (a row's prefill does not depend on
         which other rows share its batch, beyond float rounding; see the class docstring).
         """
-        from posttrain_core.models.heads import left_padded
+        from posttrain_core.models.heads import distinct, left_padded
 
         B = len(prompts)
-        first: dict[tuple[int, ...], int] = {}  # distinct prompt -> its row in the prefill batch
-        src_B = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts])
-        ids_U_P, mask_U_P = left_padded(list(first), self.pad_id)  # every prompt ends where generation starts
+        unique, src = distinct(prompts)  # each sample's row in the prefill batch
+        src_B = torch.tensor(src)
+        ids_U_P, mask_U_P = left_padded(unique, self.pad_id)  # every prompt ends where generation starts
         U, P = ids_U_P.shape
         # Positions count real tokens only, so a padded row sees the positions it would alone (as the trainer does).
         pos_U_P = (mask_U_P.cumsum(-1) - 1).clamp_(min=0)

@@ -136,14 +136,13 @@ def encode_shared(batch: RLBatch, rows: list[int], pad_id: int):
     """
     import torch
 
-    from posttrain_core.models.heads import SharedPrefix, left_padded
+    from posttrain_core.models.heads import SharedPrefix, distinct, left_padded
 
-    first: dict[tuple[int, ...], int] = {}  # distinct prompt -> its row in the prefix batch
-    rows_B = [first.setdefault(tuple(batch.prompt_ids[i]), len(first)) for i in rows]
-    if len(first) == len(rows) or min(len(p) for p in first) == 0:
+    unique, rows_B = distinct([batch.prompt_ids[i] for i in rows])  # each row's prompt in the prefix batch
+    if len(unique) == len(rows) or min(len(p) for p in unique) == 0:
         return None
     R = max(1, max(len(batch.response_ids[i]) for i in rows))
-    ids_U_P, mask_U_P = left_padded([list(p[:-1]) for p in first], pad_id)  # each ends where its rows' tokens start
+    ids_U_P, mask_U_P = left_padded([list(p[:-1]) for p in unique], pad_id)  # each ends where its rows' tokens start
     ids_B_T = torch.full((len(rows), R), pad_id, dtype=torch.long)
     attn_B_T = torch.zeros((len(rows), R), dtype=torch.long)
     positions_B_T = torch.zeros((len(rows), R), dtype=torch.long)
