@@ -1,17 +1,23 @@
-"""Connect to Ray and run groups of worker actors under a single controller.
+"""Ray: connect once, run groups of torch.distributed ranks, and keep actors warm across the stages of a flow run.
 
-`connect()` starts Ray on the local machine (or joins `$RAY_ADDRESS`); `WorkerGroup` places N actors of one class,
-wires them into a torch.distributed process group, and runs coarse methods on all of them, failing fast if any dies.
+- `connect()` starts Ray on this machine, or joins `$RAY_ADDRESS`.
+- `WorkerGroup` places N `RankActor`s, wires them into one process group and calls coarse methods of their role
+  object on all of them (a single controller), failing fast when one dies.
+- `WarmGroup` names the actors a flow run keeps alive between its stages (rollout engines, RL update workers): the
+  flow owns it, every stage of the run finds its actors by name, and the flow releases them in its `finally`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 from posttrain_core.env import apply_defaults
@@ -48,25 +54,22 @@ def connect(num_cpus: int | None = None) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-MALLOC_ENV = "POSTTRAIN_KEEP_FREED_MEMORY"  # "0": leave glibc's malloc on its defaults in worker processes
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
 
 def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep the memory that a training or generation step frees, for the next step to reuse.
+    """Make glibc's malloc keep the memory a training or generation step frees, for the next step to reuse.
 
-    By default glibc serves blocks above a (dynamic, at most 32 MiB) threshold with fresh mmaps and gives heap memory
-    back to the kernel once enough of it is free at the top. A worker that allocates and frees the same activations,
-    gradients and logits every step then takes a page fault for every 4 KiB of them, every step (measured in an RL
-    update worker of the bench model: ~30,000 minor faults per update, 0.1-0.15 s of kernel time of ~1 s). With both
-    thresholds at 1 GiB the pages stay mapped; a long-lived worker's resident memory then stays at its peak instead of
-    falling between steps (the peak itself does not change). Call once per worker process; returns False where it
-    does not apply (not glibc, or disabled with POSTTRAIN_KEEP_FREED_MEMORY=0).
+    By default glibc serves large blocks with fresh mmaps and gives freed heap back to the kernel, so a worker that
+    allocates and frees the same activations every step takes a page fault for every 4 KiB of them, every step. With
+    both thresholds at 1 GiB the pages stay mapped; a long-lived worker's resident memory then stays at its peak
+    instead of falling between steps (the peak itself does not change). Memory only: no result depends on it.
+    Returns False where it does not apply (not glibc).
     """
     import ctypes
     import platform
 
-    if os.environ.get(MALLOC_ENV, "1") == "0" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -82,44 +85,96 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_address() -> tuple[str, int]:
-    """(ip, free port) of the calling process's node: the rendezvous of a process group."""
-    import ray
+def split(items: Sequence[Any], n: int) -> list[list[Any]]:
+    """Split into n contiguous, nearly equal shards (empty shards dropped)."""
+    k, r = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + k + (1 if i < r else 0)
+        if end > start:
+            out.append(list(items[start:end]))
+        start = end
+    return out
 
-    return ray.util.get_node_ip_address(), free_port()
+
+# ------------------------------------------------------------------------------------------ distributed ranks
+class RankActor:
+    """One rank of a torch.distributed group, as a Ray actor.
+
+    The actor owns the process, its thread count and the process group; the work belongs to its role: an object of
+    any class taking (rank, world_size), whose methods the driver calls through `WorkerGroup.run` (composition: the
+    SFT, preference and RL trainers are plain classes, none of them a subclass of a worker base).
+    """
+
+    def __init__(self, role: type, rank: int, world_size: int):
+        import torch
+
+        self.rank, self.world = rank, world_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        keep_freed_memory()
+        self.role = role(rank, world_size)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(ip, free port) of this rank's node: rank 0's is the group's rendezvous."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if torch.cuda.is_available() else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world,
+                timeout=timedelta(minutes=10),
+            )
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.role, method)(*args, **kwargs)
 
 
 class WorkerGroup:
-    """N actors of one class forming a torch.distributed group; the driver calls coarse methods on all of them.
+    """N `RankActor`s forming one torch.distributed group; the driver calls coarse methods of their roles.
 
-    Args:
-        actor_cls: a plain class with `__init__(self, rank, world_size)` and a `setup(self, master_addr, master_port)`
-            method that calls `torch.distributed.init_process_group`.
-        num_workers: group size.
-        num_cpus: logical CPUs reserved per actor.
+    `WorkerGroup.start(role, n)` places new actors (named, when `names` is given: a `WarmGroup` finds them again);
+    `WorkerGroup(actors)` wraps actors that already form a group.
     """
 
-    def __init__(self, actor_cls: type, num_workers: int, num_cpus: float = 1.0):
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+
+    @classmethod
+    def start(
+        cls, role: type, num_workers: int, num_cpus: float = 1.0, names: Sequence[str] | None = None
+    ) -> WorkerGroup:
         import ray
 
         connect()
-        remote_cls = ray.remote(num_cpus=num_cpus)(actor_cls)
-        self.actors = [remote_cls.remote(rank, num_workers) for rank in range(num_workers)]
-        addr, port = ray.get(self.actors[0].rendezvous.remote())
-        self.run("setup", addr, port)
+        remote = ray.remote(RankActor)
+        options = [dict(num_cpus=num_cpus, **({"name": names[r]} if names else {})) for r in range(num_workers)]
+        group = cls([remote.options(**options[r]).remote(role, r, num_workers) for r in range(num_workers)])
+        addr, port = ray.get(group.actors[0].rendezvous.remote())
+        group._wait([a.setup.remote(addr, port) for a in group.actors])
+        return group
 
     def run(
         self, method: str, *args: Any, poll: Callable[[], Any] | None = None, poll_s: float = 2.0, **kwargs: Any
     ) -> list[Any]:
-        """Call `method` on every actor; return the results in rank order.
+        """Call the role's `method` on every rank; return the results in rank order.
 
-        If any actor fails or dies, the others are killed at once (a peer blocked in a collective would otherwise
-        wait for the gloo timeout) and the first error is raised. `poll` (e.g. `MetricsRelay.pump`) is called
-        every `poll_s` seconds while the actors work, and once more when they are done or have failed.
+        If any rank fails or dies, the others are killed at once (a peer blocked in a collective would otherwise
+        wait for the gloo timeout) and the first error is raised. `poll` (e.g. `MetricsRelay.pump`) is called every
+        `poll_s` seconds while the ranks work, and once more when they are done or have failed.
         """
+        return self._wait([a.call.remote(method, *args, **kwargs) for a in self.actors], poll, poll_s)
+
+    def _wait(self, refs: list[Any], poll: Callable[[], Any] | None = None, poll_s: float = 2.0) -> list[Any]:
         import ray
 
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
         pending = list(refs)
         try:
             while pending:
@@ -141,26 +196,8 @@ class WorkerGroup:
         return ray.get(refs)
 
     def shutdown(self) -> None:
-        import ray
-
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # already dead
-                pass
+        _kill(self.actors)
         self.actors = []
-
-
-def split(items: Sequence[Any], n: int) -> list[list[Any]]:
-    """Split into n contiguous, nearly equal shards (empty shards dropped)."""
-    k, r = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + k + (1 if i < r else 0)
-        if end > start:
-            out.append(list(items[start:end]))
-        start = end
-    return out
 
 
 def _peer_death(pending: list, err: Exception, wait_s: float = 3.0) -> Exception | None:
@@ -183,3 +220,107 @@ def _peer_death(pending: list, err: Exception, wait_s: float = 3.0) -> Exception
         except Exception:  # noqa: BLE001 - another rank's own error: the first one is raised
             continue
     return None
+
+
+def _kill(actors: Sequence[Any]) -> None:
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as err:  # already dead, or Ray shut down first
+            log.debug("kill: %s", err)
+
+
+# ------------------------------------------------------------------------------------------------ warm actors
+class WarmGroup:
+    """The actors a flow run keeps alive between its stages, found by name: nothing but the name lives here.
+
+    Starting actors (a process, torch or vLLM imports, the process group, a model) costs seconds on every RL
+    iteration. A stage asks its group for the actors of a role (`get`); they are started on first use, started again
+    when the stage's settings (`spec`) differ from theirs or when one of them no longer answers (a fault in an earlier
+    stage), and otherwise reused as they are. The actors are named `posttrain/<group>/<role>/<spec>/<start id>/<i>`
+    in Ray, so any stage of the flow run (a Prefect task in another thread) finds them from the group's name, which
+    is all a task receives. A stage never relies on what a warm actor holds without checking it: it loads every
+    input from the store by digest, and a warm actor only skips the load when it already holds that digest.
+
+    The actors are not detached: they die with the process that started them, so a crashed flow leaves none behind
+    and the resumed run starts new ones from the latest published artifacts. `release()` (the flow's `finally`, or
+    `owned` on exit) kills them. They reserve no Ray CPUs: an idle warm actor must not block other stages' work;
+    each sets its own thread count instead.
+    """
+
+    PREFIX = "posttrain"
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @classmethod
+    @contextlib.contextmanager
+    def owned(cls, purpose: str) -> Iterator[WarmGroup]:
+        """A new group for the caller's lifetime (a flow run, or a single stage run alone), released on exit."""
+        group = cls(f"{purpose}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            yield group
+        finally:
+            group.release()
+
+    def get(self, role: str, spec: str, count: int, start: Callable[[list[str]], list[Any]]) -> tuple[list[Any], bool]:
+        """The `count` actors of `role`, and whether they were just started.
+
+        Args:
+            role: what the actors do ("engines", "rl_update").
+            spec: the settings they were started with (letters, digits, '-', '_'); other settings start new actors.
+            count: how many.
+            start: starts the actors under the given names and returns their handles, in order.
+        """
+        import ray
+
+        connect()
+        found = self._names(role)
+        alive = _complete_set(found, f"{self._prefix(role)}{spec}/", count)
+        if alive is not None:
+            actors = [ray.get_actor(name) for name in alive]
+            try:
+                ray.get([a.__ray_ready__.remote() for a in actors])
+                return actors, False
+            except ray.exceptions.RayActorError as err:
+                log.warning("warm group %s: a %s actor is gone (%s); starting new ones", self.name, role, err)
+        self.discard(role)
+        names = [f"{self._prefix(role)}{spec}/{uuid.uuid4().hex[:8]}/{i}" for i in range(count)]
+        log.info("warm group %s: starting %d %s actors", self.name, count, role)
+        return start(names), True
+
+    def discard(self, role: str | None = None) -> None:
+        """Kill the actors of `role` (every role when None)."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        actors = []
+        for name in self._names(role):
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                actors.append(ray.get_actor(name))
+        _kill(actors)
+
+    def release(self) -> None:
+        self.discard()
+
+    def _prefix(self, role: str | None = None) -> str:
+        return f"{self.PREFIX}/{self.name}/" + (f"{role}/" if role else "")
+
+    def _names(self, role: str | None = None) -> list[str]:
+        import ray
+
+        prefix = self._prefix(role)
+        return sorted(n for n in ray.util.list_named_actors() if n.startswith(prefix))
+
+
+def _complete_set(names: list[str], prefix: str, count: int) -> list[str] | None:
+    """Names `{prefix}{start id}/0..count-1` of one start, in rank order, if exactly those are all there is."""
+    starts = {n[len(prefix) :].split("/")[0] for n in names if n.startswith(prefix)}
+    if len(starts) != 1 or len(names) != count:
+        return None
+    start = starts.pop()
+    wanted = [f"{prefix}{start}/{i}" for i in range(count)]
+    return wanted if sorted(wanted) == sorted(names) else None

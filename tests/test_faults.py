@@ -33,7 +33,7 @@ def _train_workers() -> list[psutil.Process]:
     found = []
     for p in psutil.Process(os.getpid()).children(recursive=True):
         try:
-            if p.name().startswith("ray::TrainWorker") or " ".join(p.cmdline()).startswith("ray::TrainWorker"):
+            if p.name().startswith("ray::RankActor") or " ".join(p.cmdline()).startswith("ray::RankActor"):
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -55,19 +55,13 @@ def test_a_lost_worker_is_the_error_raised_even_when_a_peer_fails_first(ray_sess
         def __init__(self, rank: int, world: int):
             self.rank = rank
 
-        def rendezvous(self) -> tuple[str, int]:
-            return "127.0.0.1", 0
-
-        def setup(self, addr: str, port: int) -> None:
-            pass
-
         def step(self) -> None:
             if self.rank == 0:
                 time.sleep(0.5)
                 os._exit(1)
             raise RuntimeError("[gloo/transport/tcp/pair.cc] Read error: Connection reset by peer")
 
-    group = WorkerGroup(Peer, 2, num_cpus=0.5)
+    group = WorkerGroup.start(Peer, 2, num_cpus=0.5)
     with pytest.raises(RayActorError) as raised:
         group.run("step")
     assert "Connection reset by peer" in str(raised.value.__cause__)

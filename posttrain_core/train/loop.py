@@ -13,7 +13,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -150,21 +149,17 @@ def _fmt_eta(seconds: float) -> str:
     return f"{m}m{s:02d}s"
 
 
-BUCKET_VIEW_ENV = "POSTTRAIN_DDP_BUCKET_VIEW"  # "0": DDP keeps gradients apart from its all-reduce buckets
-
-
 def data_parallel(module, world: int):
     """`module` wrapped in DistributedDataParallel when world > 1 (else itself).
 
     Gradients are views into DDP's all-reduce buckets (`gradient_as_bucket_view`): one copy of them instead of two,
-    and no copy between gradients and buckets each step; the same values bit for bit (bench/NOTES.md, change 18).
+    and no copy between gradients and buckets each step; the same values bit for bit.
     """
     import torch
 
     if world <= 1:
         return module
-    view = os.environ.get(BUCKET_VIEW_ENV, "1") != "0"
-    return torch.nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=view)
+    return torch.nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=True)
 
 
 def build_optimizer(model, cfg: TrainConfig):
@@ -356,36 +351,11 @@ def _save_checkpoint(job: TrainJob, model, opt, sched, step: int, keep: int) -> 
         old.unlink(missing_ok=True)
 
 
-class TrainWorker:
-    """One data-parallel rank (a Ray actor): joins the gloo/NCCL group, then runs `train_loop`."""
+class Trainer:
+    """The role of one data-parallel rank (`cluster.RankActor`) in SFT and continued pretraining."""
 
     def __init__(self, rank: int, world_size: int):
-        import torch
-
-        from posttrain_core.cluster import keep_freed_memory
-
         self.rank, self.world = rank, world_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        keep_freed_memory()
-
-    def rendezvous(self) -> tuple[str, int]:
-        from posttrain_core.cluster import node_address
-
-        return node_address()
-
-    def setup(self, master_addr: str, master_port: int) -> None:
-        import torch
-        import torch.distributed as dist
-
-        if self.world > 1:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{master_addr}:{master_port}",
-                rank=self.rank,
-                world_size=self.world,
-                timeout=timedelta(minutes=10),
-            )
 
     def train(self, job: TrainJob) -> dict:
         return train_loop(job, self.rank, self.world)

@@ -29,7 +29,6 @@ from posttrain_core.stage import StageContext, StageOutput, key_for, run_stage
 from posttrain_core.tracking import MetricsFile, MetricsRelay
 from posttrain_core.train.loop import (
     IGNORE,
-    TrainWorker,
     _fmt_eta,
     _save_checkpoint,
     build_optimizer,
@@ -369,10 +368,13 @@ def _probes(job: PreferenceJob, model: Any, tokenizer: Any, rows: list[dict]) ->
     ]
 
 
-class PreferenceWorker(TrainWorker):
-    """One data-parallel rank: TrainWorker's process-group setup, running `preference_loop` instead of `train_loop`."""
+class PreferenceTrainer:
+    """The role of one data-parallel rank (`cluster.RankActor`) in reward-model and DPO training."""
 
-    def train(self, job: PreferenceJob) -> dict:  # type: ignore[override]
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world = rank, world_size
+
+    def train(self, job: PreferenceJob) -> dict:
         return preference_loop(job, self.rank, self.world)
 
 
@@ -455,7 +457,7 @@ def _launch(job: PreferenceJob, relay: MetricsRelay) -> dict:
         cfg.micro_batch_size,
         cfg.grad_accum_steps,
     )
-    group = WorkerGroup(PreferenceWorker, cfg.num_workers)
+    group = WorkerGroup.start(PreferenceTrainer, cfg.num_workers)
     try:
         return group.run("train", job, poll=relay.pump)[0]
     finally:

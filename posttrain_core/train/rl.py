@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain_core.config import RLConfig
-from posttrain_core.train.loop import IGNORE, TrainWorker, data_parallel, peak_rss_mb
+from posttrain_core.train.loop import IGNORE, data_parallel, peak_rss_mb
 
 STATE_FILE = "trainer_state.pt"  # optimizer states, step count: the policy artifact carries them to the next update
 CRITIC_DIR = "critic"
@@ -175,8 +175,11 @@ def _chunks(rows: list[int], size: int) -> list[list[int]]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
-class RLWorker(TrainWorker):
-    """One data-parallel rank: TrainWorker's process-group setup, then `load` -> `prepare` -> `update`."""
+class RLWorker:
+    """The role of one data-parallel rank (`cluster.RankActor`): `load` -> `prepare` -> `update`."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world = rank, world_size
 
     def load(self, job: RLJob) -> str:
         """Policy (trainable), reference, critic, optimizers and the previous update's trainer state.

@@ -315,7 +315,7 @@ def _launch(
         if _prepare_needed(job, need_old):
             shards = split(list(range(len(batch))), cfg.num_workers)
             parts = ray.get(
-                [a.prepare.remote(batch_ref, s, need_old) for a, s in zip(group.actors, shards, strict=False)]
+                [a.call.remote("prepare", batch_ref, s, need_old) for a, s in zip(group.actors, shards, strict=False)]
             )
             for part in parts:  # shards are contiguous and in rank order
                 for k in prepared:
@@ -331,11 +331,11 @@ def _launch(
         if prefetch is not None:
             rank0 = group.actors[0]
             try:
-                prefetched = prefetch(rank0.policy_weights.remote)
+                prefetched = prefetch(lambda: rank0.call.remote("policy_weights"))
             except Exception as err:  # noqa: BLE001 - the update does not depend on it: the next rollout generates
                 log.warning("%s: could not start the next rollout early (%s: %s)", job.stage, type(err).__name__, err)
                 prefetched = False
-            result["model_info"] = ray.get(rank0.save.remote())
+            result["model_info"] = ray.get(rank0.call.remote("save"))
             result["prefetched_next_rollout"] = float(prefetched)
         done = True
     finally:
@@ -406,7 +406,7 @@ def acquire_workers(num_workers: int):
 
     connect()
     if os.environ.get(WARM_ENV, "1") == "0":
-        return WorkerGroup(RLWorker, num_workers)
+        return WorkerGroup.start(RLWorker, num_workers)
     with _warm_lock:
         entry = _warm.pop(num_workers, None)
     if entry is not None:
@@ -420,7 +420,7 @@ def acquire_workers(num_workers: int):
         except Exception as err:  # a worker died while idle: start a fresh group
             log.info("%s: warm update workers unusable (%s); starting new ones", STAGE, type(err).__name__)
         group.shutdown()
-    return WorkerGroup(RLWorker, num_workers, num_cpus=0)
+    return WorkerGroup.start(RLWorker, num_workers, num_cpus=0)
 
 
 def release_workers(group, num_workers: int) -> None:

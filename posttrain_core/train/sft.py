@@ -13,7 +13,7 @@ from pathlib import Path
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.config import PretrainConfig, SFTConfig, TrainConfig
 from posttrain_core.stage import StageContext, StageOutput, run_stage
-from posttrain_core.train.loop import TrainJob, TrainWorker
+from posttrain_core.train.loop import Trainer, TrainJob
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _run_training(
             cfg.micro_batch_size,
             cfg.grad_accum_steps,
         )
-        group = WorkerGroup(TrainWorker, cfg.num_workers)
+        group = WorkerGroup.start(Trainer, cfg.num_workers)
         try:
             result = group.run("train", job, poll=relay.pump)[0]
         finally:
