@@ -158,7 +158,7 @@ def test_a_failing_background_write_is_logged_counted_and_tagged_not_raised(capl
 def test_background_records_are_written_by_the_helper_process_which_restarts_after_dying():
     """The writer thread's MLflow calls run in the helper process; a dead helper costs the write in flight, not
     the next ones."""
-    from posttrain_core import tracking_process
+    from posttrain_core.tracking import process
 
     def stage(value: float) -> str:
         with tracking.flow_run(None, "helper-test", "flow"):
@@ -168,13 +168,13 @@ def test_background_records_are_written_by_the_helper_process_which_restarts_aft
 
     first = stage(1.0)
     tracking.flush()
-    helper = tracking_process._HELPER._proc
+    helper = process._HELPER._proc
     assert helper is not None and helper.poll() is None and helper.pid != os.getpid()
     helper.kill()
     helper.wait()
     second = stage(2.0)  # the run's creation finds the helper dead and starts a new one
     tracking.flush()
-    assert tracking_process._HELPER._proc.pid != helper.pid
+    assert process._HELPER._proc.pid != helper.pid
     c = tracking.client()
     assert c.get_run(first).data.metrics["value"] == 1.0 and c.get_run(second).data.metrics["value"] == 2.0
     assert c.get_run(second).info.status == "FINISHED"

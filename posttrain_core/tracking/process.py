@@ -1,22 +1,8 @@
-"""MLflow writes in a helper process: the tracking writer thread hands each client call to it and waits.
-
-Why: a stage's MLflow records (run creation, params, inputs, the manifest artifact, final metrics, the run's end) are
-~25 ms of SQLAlchemy and SQLite work per stage. On the tracking writer *thread* that work holds this process's GIL
-while the next stage runs in the main thread: in an RL iteration of the benchmark it stretched the serial path
-(rollout published -> score -> update start) by ~35 ms, and the iteration by ~65 ms (bench/NOTES.md, change 23).
-In a process of its own it holds only a core, and the writer thread waits on a pipe, without the GIL.
-
-`RemoteClient(uri)` has the `MlflowClient` methods; each call is pickled to the helper (`python -m
-posttrain_core.tracking_process`, started on first use, one per process), run there on an `MlflowClient` of the same
-tracking URI, and its result or exception pickled back. The helper ends when this process closes its end of the pipe
-(at exit). If it cannot be started, or dies, the call raises and the next call starts a new one; callers are the
-tracking writer's background writes, whose failures are logged and counted, never raised into a stage.
-`POSTTRAIN_TRACKING_PROCESS=0` keeps every write in this process.
-"""
+"""The tracking helper process: it runs the writer thread's MLflow calls, so their SQLite work is off our GIL.
+`RemoteClient(uri)` has the `MlflowClient` methods; each call is pickled to the helper, and its result pickled back."""
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import struct
@@ -25,14 +11,11 @@ import sys
 import threading
 from typing import Any, BinaryIO
 
-log = logging.getLogger(__name__)
-
-ENV = "POSTTRAIN_TRACKING_PROCESS"
 _HEADER = struct.Struct("<Q")
 
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+# `-c`, not `-m`: the package's __init__ imports this module, and runpy warns about (and re-runs) a module it finds
+# already imported. `-u`: stray prints of the helper reach stderr at once.
+_COMMAND = [sys.executable, "-u", "-c", "from posttrain_core.tracking.process import serve; serve()"]
 
 
 def _send(stream: BinaryIO, obj: Any) -> None:
@@ -56,7 +39,14 @@ def _receive(stream: BinaryIO) -> Any:
 
 
 class _Helper:
-    """The helper process of this process (started on first use, restarted after it dies)."""
+    """The helper process of this process: started on first use, restarted after it dies.
+
+    A stage's MLflow records are ~25 ms of SQLAlchemy and SQLite work; on the writer thread they would hold this
+    process's GIL while the next stage runs. Here they hold only a core, and the writer thread waits on a pipe. The
+    helper ends when this process closes its end of the pipe (at exit). If it cannot be started, or dies, the call
+    raises and the next call starts a new one: callers are the writer's background writes, whose failures are logged
+    and counted, never raised into a stage.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -83,12 +73,7 @@ class _Helper:
 
     def _running(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "posttrain_core.tracking_process"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
+            self._proc = subprocess.Popen(_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self._proc
 
 
@@ -97,12 +82,11 @@ _HELPER = _Helper()
 
 def prestart() -> None:
     """Start this process's helper ahead of its first record (a flow run does, when it starts)."""
-    if enabled():
-        _HELPER.start()
+    _HELPER.start()
 
 
 class RemoteClient:
-    """`MlflowClient(tracking_uri=uri)` whose method calls run in the helper process (see the module docstring)."""
+    """`MlflowClient(tracking_uri=uri)` whose method calls run in the helper process (`_Helper`)."""
 
     def __init__(self, uri: str):
         self.uri = uri
@@ -117,7 +101,7 @@ class RemoteClient:
         return call
 
 
-def _serve() -> None:
+def serve() -> None:
     """The helper's loop: (uri, method, args, kwargs) in, (ok, result or exception) out, until stdin closes."""
     requests = sys.stdin.buffer
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
@@ -141,7 +125,3 @@ def _serve() -> None:
             except Exception:  # noqa: BLE001 - an exception that does not pickle
                 data = pickle.dumps((False, RuntimeError(f"{type(err).__name__}: {err}")))
         _send_pickled(replies, data)
-
-
-if __name__ == "__main__":
-    _serve()
