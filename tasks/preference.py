@@ -6,7 +6,7 @@ from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.config import DPOConfig, RewardModelConfig
 from posttrain_core.stage import key_for
-from posttrain_core.train.preference import run_dpo, run_reward_model
+from posttrain_core.train.preference_stage import run_dpo, run_reward_model
 from tasks.common import report, stage_task, store_at
 
 

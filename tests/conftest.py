@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -46,6 +48,32 @@ def ray_session():
     connect()
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def fail_training_after():
+    """`with fail_training_after(n):` every job a `WorkerGroup` runs in the block that has a `fail_after_step` field
+    gets it set to n: its rank 0 exits (a lost worker) after the first in-stage checkpoint at or past step n, once per
+    stage working folder (the rank leaves a `fault-injected` marker there, so a retried attempt runs through)."""
+    from posttrain_core.cluster import WorkerGroup
+
+    real_run = WorkerGroup.run
+
+    def armed(step: int):
+        def run(self, method, *args, **kwargs):
+            args = tuple(
+                dataclasses.replace(a, fail_after_step=step)
+                if dataclasses.is_dataclass(a) and "fail_after_step" in {f.name for f in dataclasses.fields(a)}
+                else a
+                for a in args
+            )
+            return real_run(self, method, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(WorkerGroup, "run", run)
+            yield
+
+    return contextlib.contextmanager(armed)
 
 
 @pytest.fixture
@@ -93,7 +121,7 @@ def vllm_or_skip():
     with POSTTRAIN_REQUIRE_VLLM=1 (set by `make test`) it fails instead, so CI cannot skip vLLM silently."""
 
     def check(cfg) -> None:
-        from posttrain_core.rollout.stage import vllm_options
+        from posttrain_core.rollout.vllm_env import vllm_options
 
         try:
             vllm_options(cfg)

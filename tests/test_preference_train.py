@@ -29,7 +29,7 @@ def test_encode_response_scores_only_the_response():
     from posttrain_core.data.synthetic import corpus_for_tokenizer, make_problems
     from posttrain_core.models.tokenizer import train_tokenizer
     from posttrain_core.train.loop import IGNORE
-    from posttrain_core.train.preference import encode_response, split_pairs
+    from posttrain_core.train.preference_loop import encode_response, split_pairs
 
     tok = train_tokenizer(corpus_for_tokenizer(make_problems(n=50)), vocab_size=300)
     prompt = [
@@ -51,7 +51,7 @@ def test_encode_response_scores_only_the_response():
 
 def test_bad_inputs_fail_before_any_ray_work(tiny_inputs):
     from posttrain_core.artifacts import ArtifactRef
-    from posttrain_core.train.preference import run_dpo, run_reward_model
+    from posttrain_core.train.preference_stage import run_dpo, run_reward_model
 
     store, data, base = tiny_inputs
     cfg = RewardModelConfig(**TINY, max_steps=1)
@@ -72,7 +72,7 @@ def test_bad_inputs_fail_before_any_ray_work(tiny_inputs):
 
 def test_in_stage_checkpoint_resume_replays_the_same_steps(tiny_inputs, tmp_path):
     """Run 10 steps (checkpoint at 5); a second run in the same workdir resumes at 5 and reproduces steps 6-10."""
-    from posttrain_core.train.preference import PreferenceJob, preference_loop
+    from posttrain_core.train.preference_loop import PreferenceJob, preference_loop
 
     store, data, base = tiny_inputs
     cfg = RewardModelConfig(
@@ -94,7 +94,7 @@ def test_loss_is_normalised_over_the_global_batch(tiny_inputs, tmp_path):
     """Global batch 8 as 1 micro-batch of 8 or 2 accumulated micro-batches of 4: the same DPO steps. (Across ranks the
     same sum / global size is kept by scaling with the world size, as in train/loop.py; the 2-worker runs below use it.)"""
     from posttrain_core.data.io import read_dataset, write_dataset
-    from posttrain_core.train.preference import PreferenceJob, preference_loop
+    from posttrain_core.train.preference_loop import PreferenceJob, preference_loop
 
     store, data, base = tiny_inputs
     table = read_dataset(data.preferences.path, "preferences").slice(0, 64)
@@ -125,7 +125,7 @@ def test_lora_reward_model_is_saved_merged_and_lora_dpo_as_an_adapter(tiny_input
     from posttrain_core.config import LoraConfig
     from posttrain_core.models.loading import check_model_path
     from posttrain_core.models.reward import load_reward_model, reward_scores
-    from posttrain_core.train.preference import PreferenceJob, preference_loop
+    from posttrain_core.train.preference_loop import PreferenceJob, preference_loop
 
     store, data, base = tiny_inputs
     common = dict(**{**TINY, "micro_batch_size": 16}, num_workers=1, max_steps=2, eval_pairs=8, lora=LoraConfig(r=4))
@@ -180,7 +180,7 @@ def test_reward_model_learns_and_its_checkpoint_scores_the_same(ray_session, tin
     from mlflow.tracking import MlflowClient
 
     from posttrain_core.models.reward import load_reward_model, reward_scores
-    from posttrain_core.train.preference import run_reward_model
+    from posttrain_core.train.preference_stage import run_reward_model
 
     store, data, base = tiny_inputs
     cfg = RewardModelConfig(**TINY, max_steps=80, warmup_steps=5, eval_pairs=64)
@@ -227,7 +227,7 @@ def test_reward_model_generalises_a_learnable_preference(ray_session, tiny_input
     """Held-out accuracy beats chance when the preference is learnable by a tiny model: the rejected answers of the
     synthetic pairs carry a hedge ("..., I think"). One worker, 20 steps."""
     from posttrain_core.data.io import read_dataset
-    from posttrain_core.train.preference import run_reward_model
+    from posttrain_core.train.preference_stage import run_reward_model
 
     store, data, base = tiny_inputs
     rows = read_dataset(data.preferences.path, "preferences").to_pylist()
@@ -250,7 +250,7 @@ def test_reward_model_generalises_a_learnable_preference(ray_session, tiny_input
 def test_dpo_increases_the_margin_and_reuses_the_reference_logprobs(ray_session, tiny_inputs, monkeypatch):
     """64 training pairs (the other 336 held out), 30 steps: the loss falls from log 2 and the implicit reward margin
     grows; then another beta / loss type reuses the reference log-probs stage (a cache hit)."""
-    from posttrain_core.train.preference import run_dpo
+    from posttrain_core.train.preference_stage import run_dpo
 
     # Other edits to posttrain_core between the two runs would change every key: pin the code version.
     monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "test-preference-dpo")

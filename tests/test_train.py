@@ -41,7 +41,7 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tiny
 
 
 def test_killed_worker_resumes_from_last_in_stage_checkpoint(
-    prefect_api, ray_session, tiny_inputs, tmp_path, monkeypatch
+    prefect_api, ray_session, tiny_inputs, tmp_path, fail_training_after
 ):
     """Rank 0 really exits (os._exit) after step 10's checkpoint; Prefect retries the task; the retry resumes at 10
     and ends exactly where an uninterrupted run ends."""
@@ -67,9 +67,8 @@ def test_killed_worker_resumes_from_last_in_stage_checkpoint(
         return sft(cfg, data.sft, base, root, return_state=True)
 
     root = str(tmp_path / "resume-store")
-    monkeypatch.setenv("POSTTRAIN_FAIL_AFTER_STEP", "10")
-    task_state = resume_flow(root)
-    monkeypatch.delenv("POSTTRAIN_FAIL_AFTER_STEP")
+    with fail_training_after(10):
+        task_state = resume_flow(root)
     assert task_state.is_completed(), task_state
 
     from prefect.client.orchestration import get_client

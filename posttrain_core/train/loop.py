@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from posttrain_core.config import TrainConfig
 from posttrain_core.tracking import MetricsFile
+from posttrain_core.train.steps import Progress, periodic_checkpoint, resume_from_checkpoint
 
 IGNORE = -100
 
@@ -33,7 +32,7 @@ class TrainJob:
     workdir: str
     outdir: str
     tracker: MetricsFile | None = None  # rank 0 appends step metrics; the driver relays them to MLflow
-    fail_after_step: int | None = None  # fault injection for tests: rank 0 exits after this step's checkpoint
+    fail_after_step: int | None = None  # test hook, None in production: see steps.inject_fault
     stage: str = "train"
 
 
@@ -140,15 +139,6 @@ def micro_batches(rows: list[int], lengths: list[int], max_rows: int) -> list[li
     return groups[::-1]
 
 
-def _checkpoints(workdir: str) -> list[Path]:
-    return sorted((Path(workdir) / "checkpoints").glob("step_*.pt"))
-
-
-def _fmt_eta(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m}m{s:02d}s"
-
-
 def data_parallel(module, world: int):
     """`module` wrapped in DistributedDataParallel when world > 1 (else itself).
 
@@ -172,23 +162,6 @@ def build_optimizer(model, cfg: TrainConfig):
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
     return params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-
-
-def resume_from_checkpoint(job, model, opt, sched, rank: int) -> int:
-    """Load the newest in-stage checkpoint of `job.workdir` (weights, optimizer, scheduler, RNG); return its step."""
-    import torch
-
-    ckpts = _checkpoints(job.workdir)
-    if not ckpts:
-        return 0
-    state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"], strict=False)
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    if rank == 0:
-        print(f"[{job.stage}] resuming from in-stage checkpoint {ckpts[-1].name} (step {state['step']})", flush=True)
-    return state["step"]
 
 
 def optimizer_step(params, opt, sched, max_grad_norm: float) -> tuple[float, float]:
@@ -244,7 +217,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.dtype == "bfloat16" else contextlib.nullcontext()
     history: list[float] = []
     step_seconds: list[float] = []  # compute time of every step run here (the benchmarks read it)
-    tokens_seen, compute_s, t_start = 0, 0.0, time.time()
+    progress = Progress(job, start_step, rank)
     for step in range(start_step, cfg.max_steps):
         t0 = time.time()
         mine = global_batch(step, len(examples), cfg.global_batch_size, cfg.seed)[rank::world]
@@ -271,36 +244,13 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
         if world > 1:
             dist.all_reduce(stats)
         step_seconds.append(time.time() - t0)
-        compute_s += step_seconds[-1]  # throughput excludes logging and checkpoint I/O
         loss = float(stats[0] / n_tok)
         history.append(loss)
-        tokens_seen += int(stats[1])
+        progress.count(step_seconds[-1], int(stats[1]))
         done = step + 1
-        if rank == 0 and (done % cfg.log_every == 0 or done == cfg.max_steps or done == start_step + 1):
-            elapsed = time.time() - t_start
-            tps = tokens_seen / max(compute_s, 1e-9)
-            eta = elapsed / (done - start_step) * (cfg.max_steps - done)
-            print(
-                f"[{job.stage}] step {done}/{cfg.max_steps} loss {loss:.4f} lr {lr:.2e} grad_norm {grad_norm:.3f} "
-                f"tok/s {tps:,.0f} step_s {time.time() - t0:.3f} eta {_fmt_eta(eta)}",
-                flush=True,
-            )
-            if job.tracker is not None:
-                job.tracker.log_metrics(
-                    {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/tokens_per_s": tps},
-                    step=done,
-                )
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-            if rank == 0:
-                _save_checkpoint(job, model, opt, sched, done, cfg.keep_checkpoints)
-            if world > 1:
-                dist.barrier()
-            if rank == 0 and job.fail_after_step is not None and done >= job.fail_after_step:
-                (Path(job.workdir) / "fault-injected").write_text(str(done))
-                print(f"[{job.stage}] fault injection: worker exits after step {done}", flush=True)
-                os._exit(1)
+        progress.report(done, step_seconds[-1], {"loss": loss, "lr": lr, "grad_norm": grad_norm})
+        periodic_checkpoint(job, done, model, opt, sched, rank, world)
 
-    elapsed = time.time() - t_start
     result = {"rank": rank}
     if rank == 0:
         info = save_checkpoint(model, tokenizer, job.outdir, merge_lora=cfg.merge_lora)
@@ -314,8 +264,8 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
             dropped_examples=dropped,
             first_loss=sum(history[:k]) / k if history else float("nan"),
             final_loss=sum(history[-k:]) / k if history else float("nan"),
-            tokens_per_s=tokens_seen / max(compute_s, 1e-9),
-            train_time_s=elapsed,
+            tokens_per_s=progress.tokens_per_s,
+            train_time_s=time.time() - progress.t_start,
             step_seconds=step_seconds,
             peak_rss_mb=peak_rss_mb(),
         )
@@ -329,26 +279,6 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _save_checkpoint(job: TrainJob, model, opt, sched, step: int, keep: int) -> None:
-    """Trainable weights + optimizer + scheduler + RNG + step, written atomically (tmp file, then rename)."""
-    import torch
-
-    folder = Path(job.workdir) / "checkpoints"
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {
-        "model": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "rng": torch.get_rng_state(),
-        "step": step,
-    }
-    tmp = folder / f".step_{step:07d}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / f"step_{step:07d}.pt")
-    for old in _checkpoints(job.workdir)[:-keep]:
-        old.unlink(missing_ok=True)
 
 
 class Trainer:

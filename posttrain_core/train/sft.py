@@ -6,18 +6,11 @@ in-stage checkpoint in the stage's staging folder.
 
 from __future__ import annotations
 
-import logging
-import os
-from pathlib import Path
-
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.config import PretrainConfig, SFTConfig, TrainConfig
 from posttrain_core.stage import StageContext, StageOutput, run_stage
 from posttrain_core.train.loop import Trainer, TrainJob
-
-log = logging.getLogger(__name__)
-
-FAULT_ENV = "POSTTRAIN_FAIL_AFTER_STEP"
+from posttrain_core.train.steps import checkpoints, launch
 
 
 def run_sft(cfg: SFTConfig, data: ArtifactRef, base: ArtifactRef, store: ArtifactStore) -> ArtifactRef:
@@ -50,37 +43,8 @@ def _run_training(
     base_info = validate_inputs(objective, cfg, data, base)
 
     def build(ctx: StageContext) -> StageOutput:
-        from posttrain_core.cluster import WorkerGroup
-        from posttrain_core.tracking import MetricsRelay
-
-        relay = MetricsRelay.in_folder(ctx.workdir, ctx.tracker)
-        fail = os.environ.get(FAULT_ENV)
-        injected = (ctx.workdir / "fault-injected").exists()
-        job = TrainJob(
-            objective=objective,
-            cfg=cfg,
-            data_path=str(store.local_path(data)),
-            base_path=str(store.local_path(base)),
-            workdir=str(ctx.workdir),
-            outdir=str(ctx.outdir),
-            tracker=relay.sink,
-            fail_after_step=int(fail) if fail and not injected else None,
-            stage=stage,
-        )
-        log.info(
-            "%s: %d workers, %d steps, global batch %d (micro %d x accum %d)",
-            stage,
-            cfg.num_workers,
-            cfg.max_steps,
-            cfg.global_batch_size,
-            cfg.micro_batch_size,
-            cfg.grad_accum_steps,
-        )
-        group = WorkerGroup.start(Trainer, cfg.num_workers)
-        try:
-            result = group.run("train", job, poll=relay.pump)[0]
-        finally:
-            group.shutdown()
+        paths = dict(data_path=str(store.local_path(data)), base_path=str(store.local_path(base)))
+        result = launch(Trainer, TrainJob, ctx, objective=objective, cfg=cfg, stage=stage, **paths)
         info = result.pop("model_info")
         history = result.pop("loss_history")
         step_seconds = result.pop("step_seconds")
@@ -104,5 +68,4 @@ def _run_training(
 
 def checkpoint_steps(store: ArtifactStore, key: str) -> list[int]:
     """In-stage checkpoint steps present for a stage key (for inspection and tests)."""
-    folder = Path(store.staging_dir(key)) / "checkpoints"
-    return sorted(int(p.stem.split("_")[1]) for p in folder.glob("step_*.pt"))
+    return [int(p.stem.split("_")[1]) for p in checkpoints(store.staging_dir(key))]
