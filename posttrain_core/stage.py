@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
-from posttrain_core.keys import stage_key
+from posttrain_core.artifacts.keys import stage_key
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class StageOutput:
 
 
 def key_for(stage: str, cfg: BaseModel, inputs: Mapping[str, ArtifactRef]) -> str:
-    return stage_key(stage, cfg, list(inputs.values()))
+    return stage_key(stage, cfg, [ref.digest for ref in inputs.values()])
 
 
 def check_inputs(stage: str, inputs: Mapping[str, ArtifactRef], store: ArtifactStore) -> None:

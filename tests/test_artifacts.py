@@ -21,9 +21,15 @@ import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 import posttrain_core
-from posttrain_core import artifacts
-from posttrain_core.artifacts import ArtifactRef, ArtifactStore, content_digest, ref_from_manifest
-from posttrain_core.keys import canonical_json, code_version, stage_key
+from posttrain_core.artifacts import (
+    ArtifactRef,
+    ArtifactStore,
+    content_digest,
+    fsio,
+    ref_from_manifest,
+    start_writeback,
+)
+from posttrain_core.artifacts.keys import canonical_json, code_version, stage_key
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "ab" + "0" * 62
@@ -154,7 +160,7 @@ def test_exception_mid_publish_leaves_nothing(store: ArtifactStore, monkeypatch,
         raise RuntimeError("disk on fire")
 
     if where == "manifest":
-        monkeypatch.setattr(artifacts, "_write_manifest", boom)
+        monkeypatch.setattr(fsio, "write_synced", boom)
     else:
         real_rename = os.rename
 
@@ -302,19 +308,32 @@ def _ref(digest: str) -> ArtifactRef:
 
 
 def test_stage_key_changes_exactly_with_its_inputs() -> None:
-    inputs = [_ref("a" * 64), _ref("b" * 64)]
+    from posttrain_core.stage import key_for
+
+    inputs = ["a" * 64, "b" * 64]
     key = stage_key("sft", _Cfg(), inputs, version="1")
-    assert len(key) == 64 and key == stage_key("sft", _Cfg(), list(inputs), version="1")
-    assert key == stage_key("sft", _Cfg(), [_ref("a" * 64), _ref("b" * 64).model_copy(update={"uri": "/y"})], "1")
+    assert len(key) == 64 and key == stage_key("sft", _Cfg(), tuple(inputs), version="1")
+    refs = {"policy": _ref("a" * 64), "reference": _ref("b" * 64).model_copy(update={"uri": "/y"})}
+    assert key_for("sft", _Cfg(), refs) == stage_key("sft", _Cfg(), inputs)  # only the digests count, not the URIs
     others = {
         stage_key("sft", _Cfg(steps=11), inputs, version="1"),
-        stage_key("sft", _Cfg(), [inputs[0], _ref("c" * 64)], version="1"),
+        stage_key("sft", _Cfg(), [inputs[0], "c" * 64], version="1"),
         stage_key("sft", _Cfg(), inputs[::-1], version="1"),
         stage_key("dpo", _Cfg(), inputs, version="1"),
         stage_key("sft", _Cfg(), inputs, version="2"),
         stage_key("sft", _Cfg(), inputs),
     }
     assert key not in others and len(others) == 6
+    with pytest.raises(TypeError, match=r"ref\.digest"):
+        stage_key("sft", _Cfg(), [_ref("a" * 64)], version="1")
+
+
+def test_stage_key_bytes_are_stable() -> None:
+    """Stores and Prefect caches on disk are keyed by these values: the payload's JSON must never change."""
+    key = stage_key("sft", _Cfg(), ["a" * 64, "blake3:" + "b" * 64], version="1")
+    assert key == "11ff916b143ce839c7f96de4da38b9d899bbf590f27af5914188b099e4fe20fa"
+    payload = '{"config":{"lr":0.001,"steps":10},"inputs":["%s","blake3:%s"],"stage":"sft","version":"1"}'
+    assert key == hashlib.sha256((payload % ("a" * 64, "b" * 64)).encode()).hexdigest()
 
 
 def test_stage_key_ignores_dict_order() -> None:
@@ -512,13 +531,13 @@ def test_start_writeback_starts_the_disk_write_of_a_folder_or_a_file_and_changes
     for rel, data in files.items():
         (tmp_path / rel).write_bytes(data)
     before = content_digest(tmp_path)
-    artifacts.start_writeback(tmp_path)
-    artifacts.start_writeback(tmp_path / "a.bin")
-    artifacts.start_writeback(tmp_path / "missing")  # nothing to do, no error: it only hurries the disk
+    start_writeback(tmp_path)
+    start_writeback(tmp_path / "a.bin")
+    start_writeback(tmp_path / "missing")  # nothing to do, no error: it only hurries the disk
     assert content_digest(tmp_path) == before
     if sys.platform.startswith("linux"):
         fd = os.open(tmp_path / "a.bin", os.O_RDONLY)
         try:
-            assert artifacts._sync_file_range()(fd, 0, 0, 2) == 0  # the call the kernel accepted
+            assert fsio._sync_file_range()(fd, 0, 0, 2) == 0  # the call the kernel accepted
         finally:
             os.close(fd)

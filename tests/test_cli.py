@@ -1,4 +1,5 @@
-"""The `posttrain` command: store inspection, gc (with lineage, locks, crash leftovers, Prefect cache), `run`."""
+"""The `posttrain` command: store inspection, gc (with lineage, locks, crash leftovers, Prefect cache) in
+`posttrain_core.cli`, and `run` in `flows.cli` (the console script, which hands the rest to the core's)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.cli import main as posttrain
 from posttrain_core.artifacts import ArtifactStore
 from posttrain_core.cli import main
 
@@ -178,6 +180,20 @@ def test_rerun_after_gc_rebuilds_instead_of_returning_a_deleted_ref(prefect_api,
 
 
 # --------------------------------------------------------------------------------------------------- run
+def test_the_console_script_has_run_and_hands_the_rest_to_the_core(tiny_inputs, capsys):
+    store, _, base = tiny_inputs
+    assert posttrain(["artifacts", "ls", "--store", str(store.root), "--kind", "model"]) == 0
+    assert base.key[:12] in [row.split()[0] for row in capsys.readouterr().out.splitlines()[1:]]
+    with pytest.raises(SystemExit) as exc:
+        posttrain(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "{artifacts,run}" in out
+    assert "posttrain artifacts gc --keep-last N" in out and "posttrain run CONFIG.yaml" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "cfg.yaml"])  # the core library knows no flows
+    assert exc.value.code == 2 and "invalid choice: 'run'" in capsys.readouterr().err
+
+
 def _run_file(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(text)
@@ -198,7 +214,7 @@ config:
 
 def _exit_2(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exc:
-        main(argv)
+        posttrain(argv)
     assert exc.value.code == 2
     return capsys.readouterr().err
 
@@ -234,7 +250,7 @@ def test_run_names_a_bad_flow_or_file(tmp_path, capsys):
 def test_run_sft_end_to_end(prefect_api, prefect_logging, ray_session, tmp_path, capsys):
     store = ArtifactStore(tmp_path / "store")
     path = _run_file(tmp_path, SFT_TINY.format(store=store.root))
-    assert main(["run", str(path), "--set", "eval.max_prompts=8"]) == 0
+    assert posttrain(["run", str(path), "--set", "eval.max_prompts=8"]) == 0
     out = capsys.readouterr().out
     assert "flow sft finished" in out and "MLflow run: " in out
     model = next(line for line in out.splitlines() if line.startswith("main artifact (model): "))

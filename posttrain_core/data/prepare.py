@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict
 
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.artifacts.keys import stage_key
 from posttrain_core.config import DataConfig
-from posttrain_core.keys import stage_key
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def _inputs(cfg: DataConfig, store: ArtifactStore) -> dict[str, ArtifactRef]:
 
 
 def output_keys(cfg: DataConfig, store: ArtifactStore) -> dict[str, str]:
-    inputs = list(_inputs(cfg, store).values())
+    inputs = [ref.digest for ref in _inputs(cfg, store).values()]
     names = ["sft", "eval", "text", "prompts"] + ([] if cfg.train_path else ["preferences"])
     return {name: stage_key(f"{STAGE}.{name}", cfg, inputs) for name in names}
 

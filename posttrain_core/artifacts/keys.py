@@ -11,14 +11,11 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 import posttrain_core
-
-if TYPE_CHECKING:
-    from posttrain_core.artifacts import ArtifactRef
 
 CODE_VERSION_ENV = "POSTTRAIN_CODE_VERSION"
 
@@ -85,22 +82,24 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
 
 
-def stage_key(stage: str, config: Any, inputs: Sequence[ArtifactRef], version: str | None = None) -> str:
+def stage_key(stage: str, config: Any, input_digests: Sequence[str], version: str | None = None) -> str:
     """The key of one stage run: sha256 of the canonical JSON of (stage, config, input digests, code version).
 
     Args:
         stage: the stage name, e.g. `"sft"`.
         config: the stage's pydantic config (or a JSON-like dict).
-        inputs: the input artifacts, in the stage's argument order (order matters: policy and reference differ).
+        input_digests: the input artifacts' digests (`ref.digest`), in the stage's argument order (order matters:
+            policy and reference differ).
         version: the code version; `code_version()` when None.
 
     Returns:
         64 hex digits. Changes when the stage, the config, any input digest or the version changes, and only then.
+
+    Raises:
+        TypeError: `input_digests` is not a sequence of strings (e.g. refs: pass `ref.digest`, not the ref).
     """
-    payload = {
-        "stage": stage,
-        "config": config,
-        "inputs": [ref.digest for ref in inputs],
-        "version": version or code_version(),
-    }
+    inputs = list(input_digests)
+    if isinstance(input_digests, str) or not all(isinstance(d, str) for d in inputs):
+        raise TypeError(f"stage_key({stage!r}): expected a list of digests (ref.digest), got {input_digests!r:.80}")
+    payload = {"stage": stage, "config": config, "inputs": inputs, "version": version or code_version()}
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()

@@ -1,0 +1,205 @@
+"""The fsspec side of `ArtifactStore` (object stores, `memory://`...): publish without a folder rename, download and
+verify into the local cache, sweep by modification time. `store.py` calls these functions for non-local roots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import posixpath
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import fsspec
+
+from posttrain_core.artifacts import fsio
+from posttrain_core.artifacts.digest import content_digest
+from posttrain_core.artifacts.manifest import manifest_bytes, read_manifest
+from posttrain_core.artifacts.ref import (
+    MANIFEST,
+    TMP_PREFIX,
+    ArtifactRef,
+    check_key,
+    incomplete_message,
+    local_path_of,
+)
+
+if TYPE_CHECKING:
+    from posttrain_core.artifacts.store import ArtifactStore
+
+logger = logging.getLogger(__name__)
+
+
+def publish(
+    store: ArtifactStore, key: str, kind: str, src: Path, extra: Mapping, schema_kind: str | None
+) -> ArtifactRef:
+    """Upload `src` into a temp folder beside the target (manifest last), then move it file by file, manifest last."""
+    fs = store.fs
+    target = store._target(key)
+    tmp = f"{posixpath.dirname(target)}/{TMP_PREFIX}{key}-{uuid.uuid4().hex}"
+    files = [rel for rel, _ in fsio.content_files(src)]
+    try:
+        for folder in sorted({posixpath.dirname(f"{tmp}/{rel}") for rel in files} | {tmp}):
+            fs.makedirs(folder, exist_ok=True)
+        for rel in files:
+            fs.put_file(str(src / rel), f"{tmp}/{rel}")
+        fs.pipe_file(f"{tmp}/{MANIFEST}", manifest_bytes(key, kind, schema_kind, src, extra))
+        existing = store.get(key)
+        if existing is not None:
+            fs.rm(tmp, recursive=True)
+            logger.info("artifact %s was published concurrently; discarded our copy", key)
+            shutil.rmtree(src, ignore_errors=True)
+            return existing
+        if fs.exists(target):
+            raise FileExistsError(incomplete_message(key, store._uri(target)))
+        # Object stores have no atomic rename: move the content first and the manifest last, so that get()
+        # (which requires the manifest) never sees a partial artifact.
+        for rel in [*files, MANIFEST]:
+            dst = f"{target}/{rel}"
+            fs.makedirs(posixpath.dirname(dst), exist_ok=True)
+            fs.mv(f"{tmp}/{rel}", dst)
+    except BaseException:
+        try:
+            fs.rm(tmp, recursive=True)
+        except Exception:
+            logger.warning("could not remove %s after a failed publish; sweep() will", tmp, exc_info=True)
+        raise
+    try:
+        if fs.exists(tmp):
+            fs.rm(tmp, recursive=True)  # empty pseudo-folders some filesystems keep
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(src, ignore_errors=True)
+    logger.info("published %s %s at %s", kind, key, store._uri(target))
+    ref = store.get(key)
+    if ref is None:
+        raise FileNotFoundError(f"artifact {key} vanished from {store._uri(target)} right after publishing")
+    return ref
+
+
+def locate(store: ArtifactStore, uri: str) -> tuple[fsspec.AbstractFileSystem | None, str]:
+    """(filesystem, path) of a URI; None for local paths (read with `open`); the store's own filesystem (with its
+    options) for URIs under its root."""
+    path = local_path_of(uri)
+    if path is not None:
+        return None, str(path)
+    if not store.is_local and uri.startswith(store.root + "/"):
+        return store.fs, store._root + uri[len(store.root) :]
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs, path.rstrip("/")
+
+
+def download(store: ArtifactStore, ref: ArtifactRef) -> Path:
+    """The local copy of a remote artifact in `{cache_root}/{key}`: reused while its manifest digest is the ref's,
+    else downloaded into a temp folder, checked against the digest, and renamed into place."""
+    dest = store.cache_root / ref.key
+    cached = read_manifest(None, str(dest))
+    if cached is not None and cached.get("digest") == ref.digest:
+        return dest
+    fs, folder = locate(store, ref.uri)
+    assert fs is not None  # local URIs never reach download
+    manifest = read_manifest(fs, folder)
+    if manifest is None:
+        raise FileNotFoundError(f"artifact {ref.key}: no readable {MANIFEST} at {ref.uri}")
+    if manifest.get("digest") != ref.digest:
+        raise ValueError(f"artifact {ref.key}: {ref.uri} holds digest {manifest.get('digest')}, the ref {ref.digest}")
+    store.cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = store.cache_root / f"{TMP_PREFIX}{ref.key}-{uuid.uuid4().hex}"
+    try:
+        for entry in manifest.get("files", []):
+            local = tmp / entry["path"]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f"{folder}/{entry['path']}", str(local))
+        if not tmp.is_dir():
+            tmp.mkdir()
+        got = content_digest(tmp, like=ref.digest)
+        if got != ref.digest:
+            raise ValueError(
+                f"artifact {ref.key}: content downloaded from {ref.uri} has digest {got}, not {ref.digest}"
+            )
+        fsio.write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
+        if cached is not None or dest.exists():
+            shutil.rmtree(dest, ignore_errors=True)  # a stale copy (another store's artifact of the same key)
+        try:
+            os.rename(tmp, dest)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # a concurrent download won
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("downloaded %s from %s to %s", ref.key, ref.uri, dest)
+    return dest
+
+
+def remove(fs: fsspec.AbstractFileSystem, target: str) -> None:
+    """Remove an artifact folder, manifest.json first: `get()` misses it from then on, and a crash in between leaves
+    a folder without a manifest (see `sweep`)."""
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(f"{target}/{MANIFEST}")
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(target, recursive=True)
+
+
+def sweep(store: ArtifactStore, max_age_s: float) -> int:
+    """Remove `.tmp-*` folders, and the folders of deleted keys that lost their manifest (a crashed delete), older
+    than `max_age_s` (any age when it is <= 0); return how many."""
+    now = time.time()
+    removed = 0
+    try:
+        prefixes = store.fs.ls(f"{store._root}/artifacts", detail=False)
+    except FileNotFoundError:
+        return 0
+    for prefix in prefixes:
+        for entry in store.fs.ls(prefix, detail=False):
+            name = posixpath.basename(entry.rstrip("/"))
+            if not name.startswith(TMP_PREFIX):
+                if not _crashed_delete(store, name, entry):
+                    continue
+            mtime = _mtime(store.fs, entry)
+            if max_age_s <= 0 or (mtime is not None and now - mtime >= max_age_s):
+                store.fs.rm(entry, recursive=True)
+                removed += 1
+                logger.info("swept %s", store.fs.unstrip_protocol(entry))
+    return removed
+
+
+def _crashed_delete(store: ArtifactStore, name: str, entry: str) -> bool:
+    """A remote key folder without a manifest whose key was deleted before: what a crashed delete() leaves."""
+    try:
+        check_key(name)
+    except ValueError:
+        return False
+    return store.generation(name) > 0 and not store.fs.exists(f"{entry.rstrip('/')}/{MANIFEST}")
+
+
+def _mtime(fs: fsspec.AbstractFileSystem, folder: str) -> float | None:
+    """Newest modification time (epoch seconds) of the files under a remote folder; None when unknown."""
+    try:
+        infos = fs.find(folder, detail=True).values()
+    except (FileNotFoundError, NotImplementedError):
+        return None
+    times = []
+    for info in infos:
+        for name in ("mtime", "LastModified", "last_modified", "modified", "updated", "created"):
+            value = info.get(name)
+            if isinstance(value, str):
+                try:
+                    value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+                except ValueError:
+                    continue
+            if isinstance(value, datetime):
+                value = value.replace(tzinfo=value.tzinfo or UTC).timestamp()
+            if isinstance(value, int | float):
+                times.append(float(value))
+                break
+    return max(times) if times else None
