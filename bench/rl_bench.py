@@ -61,14 +61,7 @@ def run_algorithm(args, algorithm: str, start: str) -> dict:
     t0 = time.time()
     result = rlhf_flow(cfg)
     result["wall_s"] = time.time() - t0
-    result["eval_metrics"] = {k: _manifest(result["store"], ref)["metrics"] for k, ref in result["eval"].items()}
     return result
-
-
-def _manifest(root: str, ref) -> dict:
-    from posttrain_core.artifacts import ArtifactStore
-
-    return ArtifactStore(root).manifest(ref)
 
 
 def report(results: dict[str, dict], args) -> str:
@@ -84,12 +77,12 @@ def report(results: dict[str, dict], args) -> str:
         f"{'greedy arith':>13} {'greedy reverse':>14} {'train reward':>13} {'wall s':>7}",
     ]
     for name, r in results.items():
-        ev, sa = r["eval_metrics"], r["sampled_accuracy"]
+        ev = r["eval"]  # per evaluated iteration: greedy accuracy (per family) and sampled_pass@k
         first, last = min(ev), max(ev)
         a0, a1 = ev[first]["accuracy"], ev[last]["accuracy"]
-        s0, s1 = sa[first]["pass@1"], sa[last]["pass@1"]
+        s0, s1 = ev[first]["sampled_pass@1"], ev[last]["sampled_pass@1"]
         fam = {f: (ev[first].get(f"accuracy/{f}", 0.0), ev[last].get(f"accuracy/{f}", 0.0)) for f in FAMILIES}
-        ar0, ar1 = (sa[k].get("pass@1/arithmetic", float("nan")) for k in (first, last))
+        ar0, ar1 = (ev[k].get("sampled_pass@1/arithmetic", float("nan")) for k in (first, last))
         lines.append(
             f"{name:<22} {s0:>6.3f} -> {s1:.3f} {s1 - s0:>+7.3f} {ar0:>5.3f} -> {ar1:.3f} "
             f"{a0:>5.3f} -> {a1:.3f} {a1 - a0:>+7.3f} "
@@ -143,7 +136,7 @@ def main() -> None:
         results[name] = run_algorithm(args, name, start)
         print(report(results, args), flush=True)
     if args.json:
-        keep = ("curve", "timings", "accuracy", "sampled_accuracy", "wall_s", "eval_metrics")
+        keep = ("curve", "timings", "accuracy", "eval", "wall_s")
         Path(args.json).write_text(json.dumps({k: {f: v[f] for f in keep} for k, v in results.items()}, indent=1))
     print("\n" + report(results, args))
 

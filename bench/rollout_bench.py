@@ -111,7 +111,7 @@ def vllm_engine(model_path: str, prompts: pa.Table, args) -> Callable[[], int]:
     from posttrain_core.cluster import connect
     from posttrain_core.config import RolloutConfig
     from posttrain_core.rollout.engine import SamplingSettings
-    from posttrain_core.rollout.stage import vllm_options
+    from posttrain_core.rollout.vllm_env import vllm_options
 
     cfg = RolloutConfig(
         engine="vllm", n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens

@@ -216,7 +216,7 @@ class Bench:
             rl={"algorithm": "grpo", "num_workers": 2, "mini_batches": 1, "ppo_epochs": 1, "seed": rep,
                 "micro_batch_size": g["prompts"] * g["n"], "kl_coef": s["kl_coef"], "lr": 5e-4,
                 "gradient_checkpointing": s["gradient_checkpointing"]},
-            eval={"max_prompts": 4, "max_new_tokens": 8, "num_workers": 1},
+            eval={"max_prompts": 4, "max_new_tokens": 8, "num_engines": 1},
             eval_samples=0,
         )  # fmt: skip
         result = rlhf_flow(cfg)

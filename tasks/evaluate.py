@@ -1,17 +1,17 @@
-"""Prefect task of the evaluate stage (greedy generation + verifier on held-out prompts)."""
+"""Prefect task of the evaluate stage (held-out answers from the rollout engines, scored by a verifier)."""
 
 from __future__ import annotations
 
-from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
+from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import EvalConfig
 from posttrain_core.evaluate import STAGE, run_evaluate
 from posttrain_core.stage import key_for
-from tasks.common import report, stage_task, store_at
+from tasks.common import run_core, stage_task
 
 
 @stage_task(
-    "evaluate",
+    STAGE,
     lambda p, store: key_for(STAGE, p["cfg"], {"prompts": p["prompts"], "model": p["model"]}),
     run_name="evaluate[{label}]",
 )
@@ -22,9 +22,10 @@ def evaluate(
     label: str = "model",
     store_root: str | None = None,
     parent_run_id: str | None = None,
+    warm: WarmGroup | None = None,
 ) -> ArtifactRef:
-    store = store_at(store_root)
-    with tracking.parent(parent_run_id):
-        ref = run_evaluate(cfg, prompts, model, store)
-    report(f"evaluate-{label}", ref, store)
-    return ref
+    """`label` names the task run (`evaluate[iter=0]`, `evaluate[base]`); `warm`: the flow run's warm group, whose
+    engines generate (not part of the cache key)."""
+    return run_core(
+        f"evaluate[{label}]", store_root, parent_run_id, lambda store: run_evaluate(cfg, prompts, model, store, warm)
+    )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.config import DPOConfig, RewardModelConfig
 from posttrain_core.stage import key_for
 from posttrain_core.train.preference_stage import run_dpo, run_reward_model
-from tasks.common import report, stage_task, store_at
+from tasks.common import run_core, stage_task
 
 
 def _rm_key(p, store):
@@ -28,11 +27,7 @@ def reward_model(
     store_root: str | None = None,
     parent_run_id: str | None = None,
 ) -> ArtifactRef:
-    store = store_at(store_root)
-    with tracking.parent(parent_run_id):
-        ref = run_reward_model(cfg, data, base, store)
-    report("reward_model", ref, store)
-    return ref
+    return run_core("reward_model", store_root, parent_run_id, lambda store: run_reward_model(cfg, data, base, store))
 
 
 @stage_task("dpo", _dpo_key)
@@ -44,8 +39,4 @@ def dpo(
     store_root: str | None = None,
     parent_run_id: str | None = None,
 ) -> ArtifactRef:
-    store = store_at(store_root)
-    with tracking.parent(parent_run_id):
-        ref = run_dpo(cfg, data, policy, store, reference=reference)
-    report("dpo", ref, store)
-    return ref
+    return run_core("dpo", store_root, parent_run_id, lambda store: run_dpo(cfg, data, policy, store, reference))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
+from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import RLConfig
 from posttrain_core.stage import key_for
 from posttrain_core.train.rl_stage import (
@@ -14,14 +14,14 @@ from posttrain_core.train.rl_stage import (
     run_value_pretrain,
     update_inputs,
 )
-from tasks.common import report, stage_task, store_at
+from tasks.common import run_core, stage_task
 
 
 def _update_key(p, store):
     return key_for(STAGE, p["cfg"], update_inputs(p["scored"], p["policy"], p["reference"], p.get("critic")))
 
 
-@stage_task("rl_update", _update_key, run_name="update[iter={iteration}]")
+@stage_task(STAGE, _update_key, run_name="rl_update[iter={iteration}]")
 def rl_update(
     cfg: RLConfig,
     scored: list[ArtifactRef],
@@ -31,20 +31,19 @@ def rl_update(
     iteration: int = 0,
     store_root: str | None = None,
     parent_run_id: str | None = None,
+    warm: WarmGroup | None = None,
     next_rollout: NextRollout | None = None,
 ) -> ArtifactRef:
-    """`next_rollout`: the rollout stage that follows on a warm engine pool, started early (`run_rl_update`); not
-    part of the cache key, since the artifact is the same without it."""
-    store = store_at(store_root)
-    with tracking.parent(parent_run_id):
-        ref = run_rl_update(cfg, scored, policy, reference, store, critic=critic, next_rollout=next_rollout)
-    report(f"rl_update.iter{iteration}", ref, store)
-    return ref
+    """`warm` (the flow run's warm group) and `next_rollout` (the rollout that follows, started early) are not part
+    of the cache key: they change how fast the artifact is made, not the artifact."""
+    return run_core(
+        f"rl_update[iter={iteration}]", store_root, parent_run_id,
+        lambda store: run_rl_update(cfg, scored, policy, reference, store, critic, warm, next_rollout),
+    )  # fmt: skip
 
 
 @stage_task(
-    "value_pretrain",
-    lambda p, store: key_for(VALUE_STAGE, p["cfg"], {"scored": p["scored"], "policy": p["policy"]}),
+    VALUE_STAGE, lambda p, store: key_for(VALUE_STAGE, p["cfg"], {"scored": p["scored"], "policy": p["policy"]})
 )
 def value_pretrain(
     cfg: RLConfig,
@@ -52,9 +51,8 @@ def value_pretrain(
     policy: ArtifactRef,
     store_root: str | None = None,
     parent_run_id: str | None = None,
+    warm: WarmGroup | None = None,
 ) -> ArtifactRef:
-    store = store_at(store_root)
-    with tracking.parent(parent_run_id):
-        ref = run_value_pretrain(cfg, scored, policy, store)
-    report("value_pretrain", ref, store)
-    return ref
+    return run_core(
+        VALUE_STAGE, store_root, parent_run_id, lambda store: run_value_pretrain(cfg, scored, policy, store, warm)
+    )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.config import PretrainConfig, SFTConfig
 from posttrain_core.stage import key_for
 from posttrain_core.train.sft import run_pretrain, run_sft
-from tasks.common import report, stage_task, store_at
+from tasks.common import run_core, stage_task
 
 
 def _key(stage: str):
@@ -22,11 +21,7 @@ def pretrain(
     store_root: str | None = None,
     parent_run_id: str | None = None,
 ) -> ArtifactRef:
-    store = store_at(store_root)
-    with tracking.parent(parent_run_id):
-        ref = run_pretrain(cfg, data, base, store)
-    report("pretrain", ref, store)
-    return ref
+    return run_core("pretrain", store_root, parent_run_id, lambda store: run_pretrain(cfg, data, base, store))
 
 
 @stage_task("sft", _key("sft"))
@@ -37,8 +32,4 @@ def sft(
     store_root: str | None = None,
     parent_run_id: str | None = None,
 ) -> ArtifactRef:
-    store = store_at(store_root)
-    with tracking.parent(parent_run_id):
-        ref = run_sft(cfg, data, base, store)
-    report("sft", ref, store)
-    return ref
+    return run_core("sft", store_root, parent_run_id, lambda store: run_sft(cfg, data, base, store))

@@ -40,7 +40,7 @@ def test_two_flows_at_once_build_shared_stages_once(prefect_api, ray_session, ti
 
     store = ArtifactStore(tmp_path / "shared-store")
     base = tiny_config.model_copy(
-        update={"store": str(store.root), "eval": EvalConfig(max_new_tokens=4, max_prompts=8, num_workers=1)}
+        update={"store": str(store.root), "eval": EvalConfig(max_new_tokens=4, max_prompts=8, num_engines=1)}
     )
     configs = [base, base.model_copy(update={"sft": base.sft.model_copy(update={"lr": 2e-3})})]
     env = {

@@ -332,7 +332,7 @@ def test_shared_prompts_give_the_full_rows_logits_and_gradients(arch, lora):
     logits and gradients, with prompts of different lengths (one of a single token), an empty response, right
     padding, and rows in any order."""
     from posttrain_core.models.heads import SelectedLogits
-    from posttrain_core.train.rl import RLBatch, encode, encode_shared, response_logits
+    from posttrain_core.train.rl_batch import RLBatch, encode, encode_shared, response_logits
 
     def build():
         m = build_tiny_model(arch=arch, vocab_size=300, seed=3)
@@ -344,8 +344,8 @@ def test_shared_prompts_give_the_full_rows_logits_and_gradients(arch, lora):
     lengths = [5, 3, 0, 4, 5, 1, 2]
     responses = [torch.randint(4, 300, (n,), generator=g).tolist() for n in lengths]
     batch = RLBatch(
-        prompt_ids=[prompts[w] for w in which], response_ids=responses, policy_mask=[[1] * n for n in lengths],
-        rollout_logprobs=[[0.0] * n for n in lengths], scores=[0.0] * 7, groups=which, correct=[False] * 7,
+        prompt_ids=[prompts[w] for w in which], response_ids=responses, response_mask=[[1] * n for n in lengths],
+        logprobs=[[0.0] * n for n in lengths], rewards=[0.0] * 7, groups=which, correct=[False] * 7,
     )  # fmt: skip
     rows = [6, 0, 3, 1, 2, 5, 4]
     ids, attn, pos, labels, mask = encode(batch, rows, 0)

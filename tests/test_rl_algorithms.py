@@ -8,32 +8,39 @@ import statistics
 import pytest
 import torch
 
-from posttrain_core.algorithms.rl import (
-    ADVANTAGE_ESTIMATORS,
-    AGG_MODES,
-    KL_ESTIMATORS,
-    adaptive_kl_coef,
-    aggregate,
+from posttrain_core.algorithms.advantages import (
+    ADVANTAGES,
+    AdvantageInputs,
     broadcast_advantages,
     dr_grpo_advantages,
-    entropy_from_logits,
     gae_advantages,
     group_stats,
     grpo_advantages,
-    gspo_loss,
-    kl_estimate,
     masked_mean,
     masked_sum,
-    policy_loss,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
-    token_level_scores,
-    token_logprobs,
-    value_loss,
+    token_level_rewards,
     vapo_lambda,
     whiten,
 )
+from posttrain_core.algorithms.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    LossSettings,
+    adaptive_kl_coef,
+    aggregate,
+    clip_policy_loss,
+    entropy_from_logits,
+    gspo_policy_loss,
+    kl_estimate,
+    token_logprobs,
+    value_loss,
+)
+
+AGG_MODES = AGGREGATIONS.names()
 
 
 def _close(actual: torch.Tensor, expected: list, atol: float = 1e-6) -> None:
@@ -93,9 +100,9 @@ def test_rloo_is_leave_one_out():
     assert rloo_advantages(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([0, 1, 1])).tolist() == [0.0, -1.0, 1.0]
 
 
-def test_token_level_scores_on_last_mask_token():
+def test_token_level_rewards_on_last_mask_token():
     mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]])
-    rewards = token_level_scores(torch.tensor([2.0, 3.0, -1.0]), mask)
+    rewards = token_level_rewards(torch.tensor([2.0, 3.0, -1.0]), mask)
     assert rewards.tolist() == [[0, 0, 0, 2, 0], [0, 0, 0, 0, 0], [-1, 0, 0, 0, 0]]
 
 
@@ -203,9 +210,15 @@ def test_unknown_names_raise():
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
         aggregate(torch.zeros(1, 1), torch.ones(1, 1), "sum")
     with pytest.raises(ValueError, match="token-mean"):
-        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), agg="seq-sum")
+        clip_policy_loss(*_zeros4(), LossSettings(loss_agg="seq-sum"))
     with pytest.raises(ValueError, match="dual_clip"):
-        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), dual_clip=0.5)
+        clip_policy_loss(*_zeros4(), LossSettings(dual_clip=0.5))
+    with pytest.raises(ValueError, match="clip, gspo"):
+        POLICY_LOSSES["cispo-typo"]
+
+
+def _zeros4() -> tuple[torch.Tensor, ...]:
+    return torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)
 
 
 AGG_L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
@@ -252,19 +265,17 @@ def test_policy_and_value_losses_invariant_to_dp_workers(mode, n_workers):
     logp, old, adv = -torch.rand(6, 5, generator=g), -torch.rand(6, 5, generator=g), L
     counts = {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(-1) > 0).sum()), "t_max": 5.0}
     shards = _shards(6, n_workers)
-    kw = {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": 3.0, "agg": mode}
-    full = policy_loss(logp, old, adv, mask, **kw)[0]
-    parts = sum(policy_loss(logp[s], old[s], adv[s], mask[s], **kw, **counts)[0] for s in shards)
+    local = LossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0, loss_agg=mode)
+    glob = LossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0, loss_agg=mode, **counts)
+    full = clip_policy_loss(logp, old, adv, mask, local)[0]
+    parts = sum(clip_policy_loss(logp[s], old[s], adv[s], mask[s], glob)[0] for s in shards)
     assert parts.item() == pytest.approx(full.item(), abs=1e-6)
-    full_v = value_loss(logp, old, adv, mask, agg=mode)[0]
-    parts_v = sum(value_loss(logp[s], old[s], adv[s], mask[s], agg=mode, **counts)[0] for s in shards)
+    full_v = value_loss(logp, old, adv, mask, local)[0]
+    parts_v = sum(value_loss(logp[s], old[s], adv[s], mask[s], glob)[0] for s in shards)
     assert parts_v.item() == pytest.approx(full_v.item(), abs=1e-6)
-    adv_B = adv[:, 0]
-    full_g = gspo_loss(logp, old, adv_B, mask, eps_low=0.2, eps_high=0.2)[0]
-    parts_g = sum(
-        gspo_loss(logp[s], old[s], adv_B[s], mask[s], eps_low=0.2, eps_high=0.2, num_seqs=counts["num_seqs"])[0]
-        for s in shards
-    )
+    adv_B_T = broadcast_advantages(adv[:, 0], mask)
+    full_g = gspo_policy_loss(logp, old, adv_B_T, mask, local)[0]
+    parts_g = sum(gspo_policy_loss(logp[s], old[s], adv_B_T[s], mask[s], glob)[0] for s in shards)
     assert parts_g.item() == pytest.approx(full_g.item(), abs=1e-6)
 
 
@@ -279,7 +290,7 @@ def test_policy_loss_clipping_cases():
     ratios = [1.5, 0.5, 1.1, 1.5, 0.5]
     logp, old = _logp_for(ratios)
     adv = torch.tensor([[1.0, -1.0, 2.0, -1.0, 1.0]])
-    loss, info = policy_loss(logp, old, adv, torch.ones(1, 5))
+    loss, info = clip_policy_loss(logp, old, adv, torch.ones(1, 5))
     # L = (-1.2, 0.8, -2.2, 1.5, -0.5), token-mean: -1.6 / 5
     assert loss.item() == pytest.approx(-0.32)
     assert info["clip_frac"].item() == pytest.approx(0.4)
@@ -294,22 +305,22 @@ def test_policy_loss_clipping_cases():
 def test_policy_loss_dual_clip():
     logp, old = _logp_for([5.0, 2.0, 5.0])
     adv = torch.tensor([[-1.0, -1.0, 1.0]])
-    loss, info = policy_loss(logp, old, adv, torch.ones(1, 3), dual_clip=3.0)
+    loss, info = clip_policy_loss(logp, old, adv, torch.ones(1, 3), LossSettings(dual_clip=3.0))
     # (A=-1, rho=5): max(5, 1.2) = 5 capped at 3; (A=-1, rho=2): 2 < 3 kept; (A=1, rho=5): -1.2, no dual clip
     assert loss.item() == pytest.approx((3.0 + 2.0 - 1.2) / 3)
     assert info["dual_clip_frac"].item() == pytest.approx(1 / 3)
     assert info["clip_frac"].item() == pytest.approx(1 / 3)
     loss.backward()
     _close(logp.grad, [[0.0, 2.0 / 3, 0.0]], 1e-6)
-    no_dual, _ = policy_loss(logp, old, adv, torch.ones(1, 3))
+    no_dual, _ = clip_policy_loss(logp, old, adv, torch.ones(1, 3))
     assert no_dual.item() == pytest.approx((5.0 + 2.0 - 1.2) / 3)
 
 
 def test_policy_loss_clip_higher():
     logp, old = _logp_for([1.25, 1.3, 0.75])
     adv, mask = torch.tensor([[1.0, 1.0, -1.0]]), torch.ones(1, 3)
-    sym, _ = policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
-    high, info = policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    sym, _ = clip_policy_loss(logp, old, adv, mask, LossSettings(clip_low=0.2, clip_high=0.2))
+    high, info = clip_policy_loss(logp, old, adv, mask, LossSettings(clip_low=0.2, clip_high=0.28))
     assert sym.item() == pytest.approx((-1.2 - 1.2 + 0.8) / 3)  # all three clipped
     assert high.item() == pytest.approx((-1.25 - 1.28 + 0.8) / 3)  # 1.25 < 1.28 is no longer clipped
     assert info["clip_frac"].item() == pytest.approx(2 / 3)
@@ -319,9 +330,9 @@ def test_gspo_sequence_ratio():
     # row 0: mean d over its 2 tokens = 0.2 (the masked 99 is ignored), s = e^0.2 = 1.221403, A = 1
     # row 1: s = e^-0.05 = 0.951229, A = -2; row 2 has no token (excluded, A = 5 ignored)
     logp = torch.tensor([[0.1, 0.3, 99.0], [-0.05, 0.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
-    old, adv = torch.zeros(3, 3), torch.tensor([1.0, -2.0, 5.0])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
-    loss, info = gspo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    old, adv = torch.zeros(3, 3), broadcast_advantages(torch.tensor([1.0, -2.0, 5.0]), mask)
+    loss, info = gspo_policy_loss(logp, old, adv, mask, LossSettings(clip_low=0.2, clip_high=0.2))
     # L_0 = max(-1.221403, -1.2) = -1.2 (clipped); L_1 = max(1.902459, 2 * 0.951229) = 1.902459; / 2 sequences
     assert loss.item() == pytest.approx((-1.2 + 1.902459) / 2, abs=1e-6)
     assert info["clip_frac"].item() == pytest.approx(2 / 3)  # row 0's two tokens out of three
@@ -329,7 +340,8 @@ def test_gspo_sequence_ratio():
     # row 1: d/dlogp (-A s) / 2 = 2 * s * (1 / 1 token) / 2 = s; row 0 clipped: 0
     assert logp.grad[1, 0].item() == pytest.approx(0.951229, abs=1e-6)
     assert logp.grad[0].abs().sum().item() == 0.0
-    default, info_d = gspo_loss(logp, old, adv, mask)  # eps 3e-4 / 4e-4: both clipped, -1.0004 and 2 * 0.9997
+    paper = LossSettings(clip_low=3e-4, clip_high=4e-4)
+    default, info_d = gspo_policy_loss(logp, old, adv, mask, paper)  # both clipped: -1.0004 and 2 * 0.9997
     assert default.item() == pytest.approx((-1.0004 + 1.9994) / 2, abs=1e-6)
     assert info_d["clip_frac"].item() == pytest.approx(1.0)
 
@@ -341,14 +353,14 @@ V_MASK = torch.tensor([[1, 1, 1, 0]])
 
 
 def test_value_loss_clipped_and_unclipped():
-    loss, info = value_loss(V, V_OLD, RET, V_MASK, clip_eps=0.2)
+    loss, info = value_loss(V, V_OLD, RET, V_MASK, value_clip=0.2)
     # t0: (1 - 1.2)^2 = 0.04, clip(1.0, 0.7, 1.1) = 1.0 -> 0.04; t1: 1 vs (1.7 - 1)^2 = 0.49 -> 1;
     # t2: (0.5 - 1)^2 = 0.25 vs (clip(0.5, -0.2, 0.2) - 1)^2 = 0.64 -> 0.64 (clipped); t3 masked
     assert loss.item() == pytest.approx(0.5 * (0.04 + 1.0 + 0.64) / 3)
     assert info["vf_clip_frac"].item() == pytest.approx(1 / 3)
     assert info["value_mean"].item() == pytest.approx(3.5 / 3)
     assert info["value_error"].item() == pytest.approx((0.04 + 1.0 + 0.25) / 3)
-    plain, info_p = value_loss(V, V_OLD, RET, V_MASK, clip_eps=None)
+    plain, info_p = value_loss(V, V_OLD, RET, V_MASK, value_clip=None)
     assert plain.item() == pytest.approx(0.5 * (0.04 + 1.0 + 0.25) / 3)
     assert info_p["vf_clip_frac"].item() == 0.0
 
@@ -380,16 +392,26 @@ def test_adaptive_kl_coef_both_clip_ends():
     assert adaptive_kl_coef(0.1, kl=1.05, target=1.0, n_steps=64, horizon=640) == pytest.approx(0.1005)
 
 
-def test_registry_and_names():
-    assert sorted(ADVANTAGE_ESTIMATORS) == sorted(
-        ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "vapo"]
-    )
-    assert ADVANTAGE_ESTIMATORS["vapo"] is gae_advantages and ADVANTAGE_ESTIMATORS["grpo"] is grpo_advantages
-    assert KL_ESTIMATORS == ("k1", "abs", "k2", "k3")
+def test_registered_advantages_equal_their_pure_functions():
+    """Each registered estimator (one signature: AdvantageInputs -> (adv_B_T, returns_B_T | None)) computes what its
+    pure function does; the critic's estimators refuse to run without values."""
+    r_B_T = token_level_rewards(SCORES, torch.ones(5, 3))
+    mask = torch.ones(5, 3)
+    values = torch.rand(5, 3, generator=torch.Generator().manual_seed(0))
+    inp = AdvantageInputs(r_B_T, mask, GROUPS, values, gamma=0.9, lam=0.8, critic_lam=1.0)
+    torch.testing.assert_close(ADVANTAGES["grpo"](inp)[0], broadcast_advantages(grpo_advantages(SCORES, GROUPS), mask))
+    torch.testing.assert_close(ADVANTAGES["rloo"](inp)[0], broadcast_advantages(rloo_advantages(SCORES, GROUPS), mask))
+    adv, returns = ADVANTAGES["gae"](inp)
+    torch.testing.assert_close(adv, gae_advantages(r_B_T, values, mask, 0.9, 0.8)[0])
+    torch.testing.assert_close(returns, gae_advantages(r_B_T, values, mask, 0.9, 1.0, whiten_advantages=False)[1])
+    with pytest.raises(ValueError, match="'vapo' needs critic values"):
+        ADVANTAGES["vapo"](AdvantageInputs(r_B_T, mask, GROUPS))
+    assert set(ADVANTAGES) >= {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "vapo"}
+    assert set(KL_ESTIMATORS) >= {"k1", "abs", "k2", "k3"} and set(POLICY_LOSSES) >= {"clip", "gspo"}
 
 
 def test_dynamic_sampling_stops_when_filled_and_gives_up_only_with_nothing():
-    from posttrain_core.train.rl_stage import DynamicSamplingError, check_dynamic_sampling
+    from posttrain_core.train.rl_plan import DynamicSamplingError, check_dynamic_sampling
 
     assert check_dynamic_sampling([(5, 8), (3, 8)], want=8, max_gen_batches=3)  # filled after 2 batches
     assert not check_dynamic_sampling([(2, 8)], want=8, max_gen_batches=3)  # sample another batch

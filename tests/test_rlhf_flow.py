@@ -42,7 +42,7 @@ def _config(store: Path, **overrides):
         rollout=RolloutConfig(n=4, max_prompts=8, max_tokens=8, num_engines=1, batch_size=8),
         score=ScoreConfig(verifiers={"regex": 1.0, "exact_match": 0.0}, regex="[0-9]"),  # exact_match: `correct` only
         rl=RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8, mini_batches=2),
-        eval=EvalConfig(max_new_tokens=4, num_workers=1),
+        eval=EvalConfig(max_new_tokens=4, num_engines=1),
         eval_samples=2,
     )
     return RLHFFlowConfig(**{**fields, **overrides})
@@ -79,7 +79,7 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     cfg = _config(tmp_path / "store")
     store = ArtifactStore(cfg.store)
 
-    # 1. Run in its own process; SIGKILL the process group once iteration 2's samples are scored (its update runs).
+    # 1. Run in its own process; SIGKILL the process group once iteration 2's update has started building.
     import ray
 
     # The run joins this session's Ray cluster (a flow process on a shared cluster; also no second raylet to start).
@@ -87,9 +87,6 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-        # Fresh update workers in the killed run: their start-up (seconds) is the window the kill lands in; with
-        # warm workers iteration 2's tiny update can finish within the poll interval. The rerun uses the default.
-        "POSTTRAIN_WARM_RL_WORKERS": "0",
     }
     log = (tmp_path / "killed.log").open("w")
     proc = subprocess.Popen(
@@ -98,14 +95,13 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     )  # fmt: skip
     deadline = time.time() + 600
     try:
-        # The kill comes once Prefect has finished iteration 2's score task (its cache record is written), while
-        # the update starts its workers. A kill between a stage's publish and the end of
-        # its task is survived too, but the rerun then shows that task as Completed (a store hit), not Cached.
-        while "Task run 'score[iter=2]' - Finished in state Completed()" not in (tmp_path / "killed.log").read_text():
+        # The kill comes as iteration 2's update starts building (Prefect has written the cache records of the stages
+        # before it). A kill between a stage's publish and the end of its task is survived too, but the rerun then
+        # shows that task as Completed (a store hit), not Cached.
+        while (tmp_path / "killed.log").read_text().count("rl_update: building") < 2:
             assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
             assert time.time() < deadline, "iteration 2 never started"
-            time.sleep(0.2)
-        time.sleep(1.0)
+            time.sleep(0.02)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -116,9 +112,9 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     state = rlhf_flow(cfg, return_state=True)
     result = state.result()
     states = _task_states(state.state_details.flow_run_id)
-    for name in ("rollout[iter=1]", "score[iter=1]", "update[iter=1]", "rollout[iter=2]", "score[iter=2]"):
+    for name in ("rollout[iter=1]", "score[iter=1]", "rl_update[iter=1]", "rollout[iter=2]", "score[iter=2]"):
         assert states[name] == ["Cached"], (name, states)
-    assert states["update[iter=2]"] == ["Completed"], states
+    assert states["rl_update[iter=2]"] == ["Completed"], states
     assert published <= {ref.key for ref in store.list()}
     # The killed process could not end the runs it had open (the flow's and iteration 2's update); the rerun marked
     # them KILLED. Its stages that had finished stay FINISHED; nothing is left RUNNING. The rerun's own: FINISHED.
@@ -130,22 +126,23 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     ended = sorted((r.info.run_name.split("/")[0], r.info.status) for r in runs if r.info.status != "FINISHED")
     assert ended == [("rl_update", "KILLED"), ("rlhf", "KILLED")], ended
     assert c.get_run(result["mlflow_run_id"]).info.status == "FINISHED"
-    assert _stage_count(store, "rl_update") == 2 and _stage_count(store, "rollout") == 4  # + 2 held-out evals
-    assert result["sampled_accuracy"][0]["num_prompts"] == 16
+    assert _stage_count(store, "rl_update") == 2 and _stage_count(store, "rollout") == 2
+    assert _stage_count(store, "evaluate") == 4  # greedy and sampled, before and after
+    before = result["eval"][0]
+    assert 0 <= before["sampled_pass@1"] <= before["sampled_pass@2"] <= 1 and "accuracy" in before
 
-    # 3. The same final policy as an uninterrupted run with the same seeds, in a fresh store. That run also does not
-    # overlap rollouts with updates: the killed run's iteration-2 rollout was generated with update 1's weights in
-    # memory before they were published (`overlap_rollout`); the fresh run's engines load them from the artifact.
-    fresh = rlhf_flow(_config(tmp_path / "fresh", overlap_rollout=False))
+    # 3. The same final policy as an uninterrupted run with the same seeds, in a fresh store. In both, iteration 2's
+    # rollout was generated with update 1's weights in memory before they were published.
+    fresh = rlhf_flow(_config(tmp_path / "fresh"))
     assert fresh["policy"].digest == result["policy"].digest
     assert fresh["curve"] == result["curve"]
     loads = {
         name: {m.get("engine_load") for m in map(s.manifest, s.list()) if m.get("stage") == "rollout"}
         for name, s in (("resumed", store), ("fresh", ArtifactStore(tmp_path / "fresh")))
     }
-    assert "prefetched" in loads["resumed"] and "prefetched" not in loads["fresh"], loads
+    assert "prefetched" in loads["resumed"] and "prefetched" in loads["fresh"], loads
 
-    # What an iteration records: every metric of ALGORITHMS.md's list, the lineage, the curve picture.
+    # What an iteration records: every metric docs/algorithms.md lists, the lineage, the curve picture.
     metrics = store.manifest(result["policy"])["metrics"]
     for name in (
         "reward_mean", "reward_std", "accuracy", "response_len_mean", "response_len_max", "kl_k1", "kl_k3",
@@ -163,7 +160,7 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
 def test_dynamic_sampling_gives_up_when_every_group_is_uniform(prefect_api, ray_session, tmp_path):
     from flows.rlhf import rlhf_flow
     from posttrain_core.config import RLConfig, ScoreConfig
-    from posttrain_core.train.rl_stage import DynamicSamplingError
+    from posttrain_core.train.rl_plan import DynamicSamplingError
 
     # An untrained model never answers arithmetic right: every group is all-wrong (reward 0 everywhere).
     cfg = _config(
@@ -177,4 +174,4 @@ def test_dynamic_sampling_gives_up_when_every_group_is_uniform(prefect_api, ray_
     from posttrain_core.artifacts import ArtifactStore
 
     store = ArtifactStore(cfg.store)
-    assert _stage_count(store, "rollout") == 3 and _stage_count(store, "rl_update") == 0  # held-out eval + 2 batches
+    assert _stage_count(store, "rollout") == 2 and _stage_count(store, "rl_update") == 0  # 2 generation batches

@@ -99,14 +99,27 @@ def test_logprobs_equal_the_trainers(engine, prompts_table):
         assert worst < 1e-4
 
 
-def test_greedy_matches_generate_and_finish_reasons(engine, prompts_table):
-    from posttrain_core.rollout.hf import generate_texts
+def _hf_generate(model, tokenizer, chats: list[list[dict]], max_new_tokens: int) -> list[str]:
+    """Greedy answers from transformers' own `generate` (left-padded batch), for comparison with the engine."""
+    from posttrain_core.data.chat import tokenize_prompt
+    from posttrain_core.models.heads import left_padded
 
+    ids, mask = left_padded([tokenize_prompt(tokenizer, c) for c in chats], tokenizer.pad_token_id)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )  # fmt: skip
+    return tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_greedy_matches_generate_and_finish_reasons(engine, prompts_table):
+    """Greedy answers equal transformers' `generate` (what evaluation reports), and finish reasons follow the stops."""
     prompts = prompts_table.slice(0, 6)
     greedy = engine.generate(prompts, SamplingSettings(n=2, temperature=0.0, max_tokens=8))
     texts = greedy.column("response_text").to_pylist()
     assert texts[0::2] == texts[1::2]  # greedy: all n samples equal
-    assert texts[0::2] == generate_texts(engine.model, engine.tokenizer, prompts.column("messages").to_pylist(), 8)
+    assert texts[0::2] == _hf_generate(engine.model, engine.tokenizer, prompts.column("messages").to_pylist(), 8)
 
     out = engine.generate(prompts, SamplingSettings(n=4, temperature=1.0, max_tokens=8, seed=0, stop=(" ",)))
     assert set(out.column("policy_digest").to_pylist()) == {engine.policy_digest}
@@ -144,9 +157,9 @@ def test_lora_adapter_generates_through_the_adapter(tiny_inputs, engine, prompts
     for r in with_adapter.to_pylist():  # log-probs are the adapter's
         ref = _trainer_logprobs(adapter_engine.model, r["prompt_ids"], r["response_ids"])
         assert (ref - torch.tensor(r["logprobs"])).abs().max().item() < 1e-4
-    # update_weights swaps the policy in place.
+    # load swaps the policy in place.
     swapped = HFEngine(base.uri)
-    swapped.update_weights(str(tmp_path / "adapter"), policy_digest="new")
+    assert swapped.load(str(tmp_path / "adapter"), policy_digest="new") == "reloaded"
     again = swapped.generate(prompts, params)
     assert again.column("response_ids").to_pylist() == with_adapter.column("response_ids").to_pylist()
     assert set(again.column("policy_digest").to_pylist()) == {"new"}
@@ -188,7 +201,7 @@ def test_the_context_check_loads_a_tokenizer_once_per_tokenizer_bytes(
     import shutil
 
     import posttrain_core.models.loading as loading
-    from posttrain_core.rollout import stage
+    from posttrain_core.rollout import prompts
 
     store, _, base = tiny_inputs
     first, same, other = (tmp_path / name for name in ("first", "same", "other"))
@@ -200,11 +213,11 @@ def test_the_context_check_loads_a_tokenizer_once_per_tokenizer_bytes(
     loads = []
     real = loading.load_tokenizer
     monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
-    monkeypatch.setattr(stage, "_TOKENIZERS", {})  # earlier tests of this process loaded the same tokenizer bytes
-    lengths = stage._prompt_lengths(first, prompts_table.slice(0, 5))
-    assert stage._prompt_lengths(same, prompts_table.slice(0, 5)) == lengths and loads == [first]
-    assert stage._prompt_lengths(same, prompts_table.slice(1, 5))[:4] == lengths[1:] and loads == [first]
-    stage._prompt_lengths(other, prompts_table.slice(0, 5))
+    monkeypatch.setattr(prompts, "_TOKENIZERS", {})  # earlier tests of this process loaded the same tokenizer bytes
+    lengths = prompts.prompt_lengths(first, prompts_table.slice(0, 5))
+    assert prompts.prompt_lengths(same, prompts_table.slice(0, 5)) == lengths and loads == [first]
+    assert prompts.prompt_lengths(same, prompts_table.slice(1, 5))[:4] == lengths[1:] and loads == [first]
+    prompts.prompt_lengths(other, prompts_table.slice(0, 5))
     assert loads == [first, other]  # other tokenizer bytes: loaded again
 
 
@@ -213,7 +226,8 @@ def test_what_crosses_ray_pickles(tiny_inputs):
 
     import ray.cloudpickle
 
-    from posttrain_core.rollout.stage import RolloutWorker, sampling_settings
+    from posttrain_core.rollout.stage import sampling_settings
+    from posttrain_core.rollout.worker import RolloutWorker
 
     params = sampling_settings(RolloutConfig(n=3, stop=["\n"], top_p=0.9, seed=5))
     assert pickle.loads(pickle.dumps(params)) == params
@@ -224,14 +238,13 @@ def test_what_crosses_ray_pickles(tiny_inputs):
 
 
 def test_prompts_per_call_keeps_every_engine_busy():
-    from posttrain_core.rollout.stage import prompts_per_call
+    from posttrain_core.rollout.prompts import prompts_per_call
 
-    two = RolloutConfig(num_engines=2, batch_size=32)
-    assert prompts_per_call(two, 8) == 4  # one call of 8 would leave an engine idle
-    assert prompts_per_call(two, 9) == 5  # 5 + 4
-    assert prompts_per_call(two, 256) == 32  # enough work: batch_size caps it
-    assert prompts_per_call(two, 1) == 1
-    assert prompts_per_call(RolloutConfig(num_engines=1, batch_size=32), 8) == 8
+    assert prompts_per_call(32, 2, 8) == 4  # one call of 8 would leave an engine idle
+    assert prompts_per_call(32, 2, 9) == 5  # 5 + 4
+    assert prompts_per_call(32, 2, 256) == 32  # enough work: batch_size caps it
+    assert prompts_per_call(32, 2, 1) == 1
+    assert prompts_per_call(32, 1, 8) == 8
 
 
 POOL_CFG = RolloutConfig(n=3, temperature=1.0, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=11)
@@ -261,20 +274,28 @@ def test_two_engines_give_every_prompt_exactly_n_samples(ray_session, tiny_input
 
 
 @pytest.mark.slow
-def test_pass_at_k_reuses_rollout_and_score(ray_session, tiny_inputs):
-    from posttrain_core.config import ScoreConfig
-    from posttrain_core.rewards.passk import run_pass_at_k
+def test_sampled_evaluation_reports_pass_at_k_from_the_rollout_engines(ray_session, tiny_inputs, engine, prompts_table):
+    """The evaluate stage with several samples per prompt: the rollout stage's samples (same engines, seeds and
+    batches give the same rows), scored by the verifier, and pass@1 <= pass@k."""
+    from posttrain_core.config import EvalConfig
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.evaluate import run_evaluate
 
     store, data, base = tiny_inputs
-    out = run_pass_at_k(POOL_CFG, ScoreConfig(), data.eval, base, store, ks=(1, 3))
-    assert set(out) == {"pass@1", "pass@3", "num_prompts"}
-    assert out["num_prompts"] == 10
-    assert 0.0 <= out["pass@1"] <= out["pass@3"] <= 1.0
+    cfg = EvalConfig(samples=3, temperature=1.0, max_new_tokens=6, seed=11, num_engines=2, batch_size=4, max_prompts=10)
+    ref = run_evaluate(cfg, data.eval, base, store)
+    metrics = store.manifest(ref)["metrics"]
+    assert metrics["num_prompts"] == 10
+    assert 0.0 <= metrics["pass@1"] <= metrics["pass@3"] <= 1.0
+    assert metrics["pass@1"] == pytest.approx(metrics["accuracy"])  # pass@1 is the mean over all samples
+    rows = read_dataset(store.local_path(ref), "eval")
+    alone = engine.generate(prompts_table.slice(0, 10), SamplingSettings(n=3, temperature=1.0, max_tokens=6, seed=11))
+    assert rows.column("response_text").to_pylist() == alone.column("response_text").to_pylist()
 
 
 @pytest.mark.slow
 def test_vllm_engine_through_the_stage(ray_session, tiny_inputs, engine, prompts_table, vllm_or_skip):
-    """engine="vllm" runs VLLMEngine in the vLLM environment on the same Ray Data pool (skipped without it)."""
+    """engine="vllm" runs VLLMEngine in the vLLM environment through the same stage (skipped without it)."""
     from posttrain_core.data.io import read_dataset
     from posttrain_core.rollout.stage import run_rollout, sampling_settings
 

@@ -2,7 +2,7 @@
 
 Checked against Hugging Face in this process: greedy tokens, per-token log-probs, weight reloads and LoRA adapters.
 One engine actor serves the whole module (start-up is the expensive part); every test first loads the policy it
-needs with `update_weights`, so the tests do not depend on their order.
+needs with `load`, so the tests do not depend on their order.
 
 Without the vLLM environment the engine tests skip, naming `scripts/vllm_env.sh`; with POSTTRAIN_REQUIRE_VLLM=1
 (set by `make test` after it creates the environment) they fail instead, so CI cannot skip them silently.
@@ -29,7 +29,7 @@ PROMPTS = [
 
 
 def _vllm_python_or_skip() -> str:
-    from posttrain_core.rollout.vllm_engine import vllm_python
+    from posttrain_core.rollout.vllm_env import vllm_python
 
     try:
         return vllm_python(RolloutConfig(engine="vllm"))
@@ -102,7 +102,8 @@ def engine(models, ray_session):
     """
     import ray
 
-    from posttrain_core.rollout.vllm_engine import VLLMEngine, vllm_actor_options
+    from posttrain_core.rollout.vllm_engine import VLLMEngine
+    from posttrain_core.rollout.vllm_env import vllm_actor_options
 
     python = _vllm_python_or_skip()
     options = vllm_actor_options(RolloutConfig(engine="vllm", vllm_python=python))
@@ -143,7 +144,7 @@ def _call(engine, method: str, *args):
 
 
 def _use(engine, models, name: str) -> None:
-    _call(engine, "update_weights", str(models[name]))
+    _call(engine, "load", str(models[name]))
 
 
 def _hf_greedy(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -190,26 +191,26 @@ def _assert_greedy_matches(model, tokenizer, table: pa.Table, max_tokens: int) -
 
 
 def test_missing_vllm_python_gives_a_clear_error(tmp_path, monkeypatch):
-    import posttrain_core.rollout.vllm_engine as vllm_engine
+    import posttrain_core.rollout.vllm_env as vllm_env
 
     with pytest.raises(RuntimeError, match=r"RolloutConfig\.vllm_python.*does not exist.*scripts/vllm_env\.sh"):
-        vllm_engine.vllm_python(RolloutConfig(engine="vllm", vllm_python=str(tmp_path / "nope/bin/python")))
+        vllm_env.vllm_python(RolloutConfig(engine="vllm", vllm_python=str(tmp_path / "nope/bin/python")))
     with pytest.raises(RuntimeError, match=r"RolloutConfig\.vllm_python"):
-        vllm_engine.vllm_actor_options(RolloutConfig(engine="vllm", vllm_python=str(tmp_path / "nope/bin/python")))
+        vllm_env.vllm_actor_options(RolloutConfig(engine="vllm", vllm_python=str(tmp_path / "nope/bin/python")))
     monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(tmp_path / "env/bin/python"))
     with pytest.raises(RuntimeError, match=r"\$POSTTRAIN_VLLM_PYTHON.*scripts/vllm_env\.sh"):
-        vllm_engine.vllm_python(None)
+        vllm_env.vllm_python(None)
     monkeypatch.delenv("POSTTRAIN_VLLM_PYTHON")
-    monkeypatch.setattr(vllm_engine, "DEFAULT_VLLM_VENV", tmp_path / ".venv-vllm")
+    monkeypatch.setattr(vllm_env, "DEFAULT_VLLM_VENV", tmp_path / ".venv-vllm")
     with pytest.raises(RuntimeError, match=r"\.venv-vllm/bin/python.*RolloutConfig\.vllm_python"):
-        vllm_engine.vllm_python(RolloutConfig())
+        vllm_env.vllm_python(RolloutConfig())
     # A python that runs but has no vLLM (this one): caught before Ray starts a worker with it.
     with pytest.raises(RuntimeError, match="has no vllm"):
-        vllm_engine.vllm_actor_options(RolloutConfig(engine="vllm", vllm_python=sys.executable))
+        vllm_env.vllm_actor_options(RolloutConfig(engine="vllm", vllm_python=sys.executable))
 
 
 def test_actor_options_point_at_the_vllm_env():
-    from posttrain_core.rollout.vllm_engine import REPO_ROOT, vllm_actor_options
+    from posttrain_core.rollout.vllm_env import REPO_ROOT, vllm_actor_options
 
     python = _vllm_python_or_skip()
     options = vllm_actor_options(RolloutConfig(engine="vllm", vllm_python=python))
@@ -287,7 +288,7 @@ def test_seeded_samples_are_reproducible(engine, models):
 
 
 @pytest.mark.slow
-def test_update_weights_gives_the_new_checkpoints_outputs(engine, models, hf):
+def test_load_in_place_gives_the_new_checkpoints_outputs(engine, models, hf):
     _use(engine, models, "m0")
     before = _call(engine, "generate", _prompts(), GREEDY)
     _use(engine, models, "m1")

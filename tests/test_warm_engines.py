@@ -1,6 +1,6 @@
-"""Warm rollout engines (posttrain_core.rollout.warm): a pool that outlives rollout stages takes each new policy in
-memory (vLLM: in-place weight update; hf: reload in the same actor), gives the rows fresh engines give, recovers from
-a dead actor, and never publishes rows of another policy."""
+"""Warm rollout engines (`cluster.WarmGroup`, `rollout.pool`): engines that outlive rollout stages take each new
+policy (vLLM: in-place weight update; hf: reload in the same actor), give the rows fresh engines give, recover from a
+dead actor, never publish rows of another policy, and are gone once the group is released."""
 
 from __future__ import annotations
 
@@ -37,47 +37,62 @@ def _rows(store, ref) -> list[tuple]:
     return list(zip(*(t.column(c).to_pylist() for c in cols), strict=True))
 
 
-def _actor_ids(name: str) -> list[str]:
-    from posttrain_core.rollout.warm import get_pool
+def _engines(group) -> list[str]:
+    return [a._actor_id.hex() for a in group.members("engines")]
 
-    return [a._actor_id.hex() for a in get_pool(name).actors]
+
+def _dies(actor, within_s: float = 60.0) -> bool:
+    """Whether the actor is dead, or dies within `within_s` (a kill takes effect asynchronously)."""
+    import time
+
+    import ray
+
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def _check_pool(cfg: RolloutConfig, tiny_inputs, policy_b, tmp_path, new_policy_action: str) -> None:
     import ray
 
     from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.cluster import WarmGroup
     from posttrain_core.rollout.stage import run_rollout
-    from posttrain_core.rollout.warm import _POOLS, get_pool, new_pool_name, release_pool
 
     _, data, base = tiny_inputs
     warm, cold = ArtifactStore(tmp_path / "warm"), ArtifactStore(tmp_path / "cold")
-    name = new_pool_name("test")
-    try:
-        a = run_rollout(cfg, data.eval, base, warm, engines=name)
-        actors = _actor_ids(name)
+    with WarmGroup.owned("test") as group:
+        a = run_rollout(cfg, data.eval, base, warm, warm=group)
+        actors, handles = _engines(group), group.members("engines")
         assert len(actors) == cfg.num_engines
-        b = run_rollout(cfg, data.eval, policy_b, warm, engines=name)
-        assert _actor_ids(name) == actors  # the same processes served both policies
+        b = run_rollout(cfg, data.eval, policy_b, warm, warm=group)
+        assert _engines(group) == actors  # the same actors served both policies
         assert warm.manifest(a)["engine_load"] == "started"
         assert warm.manifest(b)["engine_load"] == new_policy_action
         assert "engine_load_s" in warm.manifest(b)["metrics"]
         rows_a, rows_b = _rows(warm, a), _rows(warm, b)
         assert {r[3] for r in rows_a} == {base.digest} and {r[3] for r in rows_b} == {policy_b.digest}
         assert [r[2] for r in rows_a] != [r[2] for r in rows_b]  # the new weights are in use
-        # The rows equal those of engines started for the stage (the Ray Data path) from policy B.
+        # The rows equal those of engines started for a stage alone (released with it) from policy B.
         fresh = run_rollout(cfg, data.eval, policy_b, cold)
-        assert cold.manifest(fresh)["engine_load"] == "stage"
+        assert cold.manifest(fresh)["engine_load"] == "started"
         assert _rows(cold, fresh) == rows_b
 
         # A dead engine actor (killed between stages) is replaced; the next stage still gets base's rows.
-        ray.kill(get_pool(name).actors[0], no_restart=True)
-        c = run_rollout(cfg, data.eval, base, ArtifactStore(tmp_path / "after-kill"), engines=name)
-        assert _actor_ids(name) != actors
+        ray.kill(handles[0], no_restart=True)
+        c = run_rollout(cfg, data.eval, base, ArtifactStore(tmp_path / "after-kill"), warm=group)
+        assert _engines(group) != actors
         assert _rows(ArtifactStore(tmp_path / "after-kill"), c) == rows_a
-    finally:
-        release_pool(name)
-    assert name not in _POOLS
+        handles = group.members("engines")
+    assert group.members("engines") == []  # released with the group: its actors are gone
+    assert all(_dies(h) for h in handles)
 
 
 def test_hf_pool_reloads_each_policy_in_the_same_actors(ray_session, tiny_inputs, policy_b, tmp_path):
@@ -96,9 +111,9 @@ def test_rows_of_another_policy_are_never_published(tiny_inputs):
 
     _, _, base = tiny_inputs
     table = pa.table({"prompt_id": ["p0", "p1"], "policy_digest": [base.digest, "0" * 64]})
-    _check_policy(table.slice(0, 1), base)
+    _check_policy(table.slice(0, 1), base, "rollout")
     with pytest.raises(RuntimeError, match=r"1 samples \(first: prompt 'p1'\).*nothing is published"):
-        _check_policy(table, base)
+        _check_policy(table, base, "rollout")
 
 
 def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(ray_session, tiny_inputs, policy_b, tmp_path):
@@ -108,38 +123,38 @@ def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(ray_session, ti
     import ray
 
     from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.cluster import WarmGroup
     from posttrain_core.models.loading import load_causal_lm
     from posttrain_core.rollout.stage import prefetch_rollout, run_rollout
-    from posttrain_core.rollout.warm import get_pool, new_pool_name, release_pool
 
     _, data, base = tiny_inputs
     cfg = RolloutConfig(n=3, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=3)
     fresh = ArtifactStore(tmp_path / "cold")
     expected = _rows(fresh, run_rollout(cfg, data.eval, policy_b, fresh))
     weights_b = {k: v.numpy() for k, v in load_causal_lm(policy_b.uri).state_dict().items()}
-    name = new_pool_name("test")
-    try:
+    with WarmGroup.owned("test") as group:
         store = ArtifactStore(tmp_path / "warm")
-        run_rollout(cfg, data.eval, base, store, engines=name)  # the pool serves base, like an update's input
-        assert not prefetch_rollout(cfg, data.eval, policy_b, policy_b.key, lambda: ray.put(weights_b), store, name), (
-            "the pool does not serve policy B: no prefetch"
+        assert not prefetch_rollout(group, cfg, data.eval, base, policy_b.key, lambda: ray.put(weights_b), store), (
+            "no engines yet: no prefetch"
         )
-        assert prefetch_rollout(cfg, data.eval, base, policy_b.key, lambda: ray.put(weights_b), store, name)
-        ref = run_rollout(cfg, data.eval, policy_b, store, engines=name)
+        run_rollout(cfg, data.eval, base, store, warm=group)  # the engines serve base, like an update's input
+        assert not prefetch_rollout(group, cfg, data.eval, policy_b, policy_b.key, lambda: ray.put(weights_b), store), (
+            "the engines do not serve policy B: no prefetch"
+        )
+        assert prefetch_rollout(group, cfg, data.eval, base, policy_b.key, lambda: ray.put(weights_b), store)
+        ref = run_rollout(cfg, data.eval, policy_b, store, warm=group)
         manifest = store.manifest(ref)
         assert manifest["engine_load"] == "prefetched"
         assert manifest["metrics"]["generate_overlap_s"] >= 0
         assert _rows(store, ref) == expected  # stamped with policy B's digest, the same samples
 
-        # Back to base; a prefetch under another key is discarded: the stage reloads policy B from its folder.
+        # Back to base; a prefetch under another key, or of weights that do not fit, is discarded: the stage reloads
+        # policy B from its folder.
         for i, (weights, key) in enumerate([(weights_b, "f" * 64), ({"lm_head.weight": weights_b["lm_head.weight"]},
                                                                     policy_b.key)]):  # fmt: skip
             other = ArtifactStore(tmp_path / f"other-{i}")
-            run_rollout(cfg, data.eval, base, other, engines=name)
-            assert prefetch_rollout(cfg, data.eval, base, key, lambda w=weights: ray.put(w), other, name)
-            ref = run_rollout(cfg, data.eval, policy_b, other, engines=name)
+            run_rollout(cfg, data.eval, base, other, warm=group)
+            assert prefetch_rollout(group, cfg, data.eval, base, key, lambda w=weights: ray.put(w), other)
+            ref = run_rollout(cfg, data.eval, policy_b, other, warm=group)
             assert other.manifest(ref)["engine_load"] == "reloaded", i
             assert _rows(other, ref) == expected, i
-        assert get_pool(name).prefetched is None
-    finally:
-        release_pool(name)

@@ -79,7 +79,7 @@ def dpo_loss(
     and `loss` is its mean over the B pairs. The implicit rewards are beta (logp - ref), detached.
 
     Where we differ from a reference: IPO here uses the same *summed* log-probs as DPO (TRL's IPO averages them over
-    the response tokens), as ALGORITHMS.md defines the variants as one-line changes of the same Delta.
+    the response tokens), as docs/algorithms.md defines the variants as one-line changes of the same Delta.
 
     Args:
         logp_c_B, logp_r_B: policy log-probs of the chosen / rejected responses, summed over response tokens, (B,).

@@ -30,16 +30,14 @@ from posttrain_core.artifacts.ref import (
     Kind,
     ref_from_manifest,
 )
-from posttrain_core.artifacts.store import DEFAULT_ROOT, STORE_ENV, TOMBSTONES, ArtifactStore
+from posttrain_core.artifacts.store import TOMBSTONES, ArtifactStore
 
 __all__ = [
-    "DEFAULT_ROOT",
     "DIGEST_PREFIX",
     "EXTERNAL_PREFIX",
     "KINDS",
     "MANIFEST",
     "SCHEMA_KINDS",
-    "STORE_ENV",
     "STORE_FIELDS",
     "TMP_PREFIX",
     "TOMBSTONES",

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 import posttrain_core
+from posttrain_core.env import setting
 
 CODE_VERSION_ENV = "POSTTRAIN_CODE_VERSION"
 
@@ -48,7 +49,7 @@ def code_version() -> str:
     Returns:
         e.g. `"0.1.0+3fa94c0e12ab"`.
     """
-    pinned = os.environ.get(CODE_VERSION_ENV)
+    pinned = setting(CODE_VERSION_ENV)
     if pinned:
         return pinned
     return f"{posttrain_core.__version__}+{_package_hash()}"

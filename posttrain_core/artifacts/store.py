@@ -1,5 +1,6 @@
 """`ArtifactStore`: maps stage keys to complete, immutable artifact folders; its public API and the checks common to
 local and remote roots, which then go to `local.py` (atomic rename) or `remote.py` (fsspec, manifest last).
+A little over ~400 lines: it is the store's whole public API, one class, kept together.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ from posttrain_core.artifacts.ref import (
     local_path_of,
     ref_from_manifest,
 )
+from posttrain_core.env import default_store
 
 logger = logging.getLogger(__name__)
 
-STORE_ENV = "POSTTRAIN_STORE"
-DEFAULT_ROOT = "./.posttrain"
 TOMBSTONES = "tombstones"
 
 
@@ -60,7 +60,7 @@ class ArtifactStore:
 
     def __init__(self, root: str | os.PathLike | None = None, *, workdir: str | os.PathLike | None = None) -> None:
         if root is None:
-            root = os.environ.get(STORE_ENV) or DEFAULT_ROOT
+            root = default_store()
         fs, path = fsspec.core.url_to_fs(os.fspath(root))
         self.fs: fsspec.AbstractFileSystem = fs
         self.is_local = isinstance(fs, LocalFileSystem)
@@ -111,7 +111,7 @@ class ArtifactStore:
         except OSError as err:
             raise PermissionError(
                 f"artifact store {self.root} is not writable ({where}: {err.strerror or err}); set the flow's "
-                f"`store` (or ${STORE_ENV}) to a folder or URI this process can write"
+                f"`store` (or $POSTTRAIN_STORE) to a folder or URI this process can write"
             ) from None
 
     # ----------------------------------------------------------------------------------------------- reading

@@ -2,7 +2,7 @@
 
 They feed every stage of the demo pipeline: tokenizer corpus, pretraining text, SFT, preferences, RL prompts, eval.
 Arithmetic solutions are worked column by column before "The answer is N" (a short chain of thought): a 0.8M-parameter
-model learns the steps from a few thousand examples, where it stays near chance on bare answers (README, "RL").
+model learns the steps from a few thousand examples, where it stays near chance on bare answers (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -169,7 +169,9 @@ def make_problems(
             if question not in seen:
                 break
         else:
-            raise ValueError(f"family {family!r} ran out of distinct questions after {counts[family]} (raise max_digits)")
+            raise ValueError(
+                f"family {family!r} ran out of distinct questions after {counts[family]} (raise max_digits)"
+            )
         seen.add(question)
         solution = worked_solution(question, max_digits) if worked and family == "arithmetic" else answer
         problems.append(Problem(f"{family}-{counts[family]:05d}", family, question, answer, solution))
@@ -373,4 +375,8 @@ def regex_format(response: Any, pattern: str) -> dict:
 
 
 # exact_match and numeric are called as fn(response, answer); regex as fn(response, pattern).
-VERIFIERS: dict[str, Callable[..., dict]] = {"exact_match": exact_match, "numeric": numeric_match, "regex": regex_format}
+VERIFIERS: dict[str, Callable[..., dict]] = {
+    "exact_match": exact_match,
+    "numeric": numeric_match,
+    "regex": regex_format,
+}

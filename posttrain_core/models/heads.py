@@ -2,8 +2,7 @@
 
 SFT trains on the assistant tokens (about half of a chat) and RL reads the response tokens only, yet a causal LM's
 forward projects every position onto the vocabulary: a B x L x V logits tensor, its log-softmax and their gradients
-were the largest activations of a training step (on the benchmark's 10M-parameter model, a 8 x 256-token SFT step
-peaked at 1,303 MiB with full logits and 1,189 MiB with the labelled positions only; bench/NOTES.md).
+are the largest activations of a training step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""pass@k: the unbiased estimator over n samples per problem, and a helper that samples, scores and reports it.
+"""pass@k: the unbiased estimator over n samples per problem, over a scored table (the evaluate stage reports it).
 
 pass@k = E_problems[1 - C(n - c, k) / C(n, k)] (Chen et al. 2021, "Evaluating Large Language Models Trained on Code").
 """
@@ -11,9 +11,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-    from posttrain_core.artifacts import ArtifactRef, ArtifactStore
-    from posttrain_core.config import RolloutConfig, ScoreConfig
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -75,43 +72,3 @@ def pass_at_k_by_family(scored: pa.Table, prompts: pa.Table, ks: Sequence[int]) 
         if part.num_rows:
             out.update({f"{k}/{family}": v for k, v in pass_at_k_table(part, ks).items() if k.startswith("pass@")})
     return out
-
-
-def run_pass_at_k(
-    rollout_cfg: RolloutConfig,
-    score_cfg: ScoreConfig,
-    prompts: ArtifactRef,
-    policy: ArtifactRef,
-    store: ArtifactStore,
-    ks: Sequence[int] | None = None,
-    reward_model: ArtifactRef | None = None,
-) -> dict[str, float]:
-    """Sample n = rollout_cfg.n responses per prompt (`run_rollout`), score them (`run_score`), report pass@k.
-
-    Both stages are cached artifacts, so asking again for other ks costs nothing. Use temperature > 0: greedy
-    samples are all equal and pass@k collapses to pass@1.
-
-    Args:
-        ks: the k values, each 1 <= k <= n; default (1, n).
-
-    Returns:
-        {"pass@1": ..., "pass@<k>": ..., "num_prompts": ...}.
-    """
-    from posttrain_core.data.io import read_dataset
-    from posttrain_core.rewards.score import ANSWER_VERIFIERS, check_score_config, run_score
-    from posttrain_core.rollout.stage import run_rollout
-
-    n = rollout_cfg.n
-    ks = tuple(ks) if ks is not None else tuple(dict.fromkeys((1, n)))
-    bad = [k for k in ks if not 1 <= k <= n]
-    if bad or not ks:
-        raise ValueError(f"pass@k: every k must be within 1..RolloutConfig.n ({n}), got {list(ks)}")
-    if not any(v in score_cfg.verifiers for v in ANSWER_VERIFIERS):
-        raise ValueError(
-            f"pass@k: ScoreConfig.verifiers {sorted(score_cfg.verifiers)} has no answer verifier "
-            f"({' or '.join(ANSWER_VERIFIERS)}) to decide what is correct"
-        )
-    check_score_config(score_cfg, reward_model is not None)
-    rollouts = run_rollout(rollout_cfg, prompts, policy, store)
-    scored = run_score(score_cfg, rollouts, store, reward_model=reward_model)
-    return pass_at_k_table(read_dataset(store.local_path(scored), "scored_rollouts"), ks)

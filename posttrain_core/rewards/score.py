@@ -226,7 +226,8 @@ def _ray_reward_scores(table: pa.Table, cfg: ScoreConfig, model_path: str) -> li
         compute=ray.data.ActorPoolStrategy(size=cfg.num_workers),
         batch_size=cfg.batch_size,
         batch_format="pyarrow",
-        num_cpus=max(0.1, min(1.0, (cpus - 1) / cfg.num_workers)),  # leave Ray Data a CPU (see rollout stage)
+        # Ray Data's read tasks need a CPU of their own: an actor pool holding every CPU deadlocks the pipeline.
+        num_cpus=max(0.1, min(1.0, (cpus - 1) / cfg.num_workers)),
     )
     out = pa.concat_tables([t for t in ray.get(ds.to_arrow_refs()) if t.num_rows])
     if sorted(out.column("_row").to_pylist()) != list(range(table.num_rows)):

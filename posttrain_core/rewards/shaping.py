@@ -1,6 +1,6 @@
 """Reward shaping terms: pure functions of response lengths, added to the reward as their own components.
 
-DAPO's overlong shaping (ALGORITHMS.md "DAPO extras") penalises responses that run into the soft buffer before L_max.
+DAPO's overlong shaping (docs/algorithms.md, "DAPO") penalises responses that run into the soft buffer before L_max.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def overlong_penalty(lengths_B: Sequence[int], max_len: int, buffer: int, penalt
         term = min(0, -(len - expected) / L_buf * penalty)
 
     0 up to `expected` tokens, falling linearly to -penalty at L_max (and further below beyond it: not clamped,
-    as in ALGORITHMS.md and veRL's `overlong_reward`).
+    as in docs/algorithms.md and veRL's `overlong_reward`).
 
     Args:
         lengths_B: response lengths in tokens.

@@ -1,13 +1,13 @@
 """The Engine protocol every generation backend implements, and the sampling settings it takes.
 
 An engine turns a `prompts` table into a `rollouts` table (schemas in `posttrain_core.data.schemas`), with the
-engine's own per-token log-probs of the sampled tokens. Engines live inside Ray actors (one per actor).
+engine's own per-token log-probs of the sampled tokens. Engines live inside Ray actors (`rollout.worker`), one each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -19,7 +19,7 @@ ROLLOUT_COLUMNS: tuple[str, ...] = tuple(SCHEMAS["rollouts"].names)
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """Plain, picklable sampling parameters (built from `RolloutConfig`; crosses the Ray boundary)."""
+    """Plain, picklable sampling parameters (built from a rollout or eval config; crosses the Ray boundary)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -30,13 +30,31 @@ class SamplingSettings:
 
 
 class Engine(Protocol):
-    """A generation backend (HF generate, vLLM)."""
+    """A generation backend: `hf_engine.HFEngine` (transformers, CPU or GPU) or `vllm_engine.VLLMEngine`.
+
+    Engines are built from a model folder (full model or LoRA adapter) and the digest of the artifact it is, which
+    they write into every row's `policy_digest`.
+    """
 
     def generate(self, prompts: pa.Table, params: SamplingSettings) -> pa.Table:
-        """n samples per prompt row -> rows of the `rollouts` schema (prompt_id, sample_index, prompt_ids,
-        response_ids, response_text, logprobs, finish_reason, policy_digest, answer, ...)."""
+        """n samples per prompt row (`prompt_id`, `messages`, optional `answer`) -> rows of the `rollouts` schema,
+        ordered by (prompt row, sample_index), with the raw model log-prob of every sampled token."""
         ...
 
-    def update_weights(self, model_path: str) -> None:
-        """Load new policy weights in place (the RL loop calls this every iteration)."""
+    def load(self, model_path: str, policy_digest: str) -> str:
+        """Serve another policy from its folder: "updated" (in place: vLLM's weight reload or adapter swap) or
+        "reloaded" (the engine loaded it anew in the same process)."""
+        ...
+
+    def load_weights(self, weights: dict[str, Any], policy_digest: str) -> None:
+        """Take a full model's weights from memory (name -> array, the model's own state-dict keys), in place.
+
+        Raises:
+            NotImplementedError: the engine only loads folders (vLLM).
+            ValueError: the weights do not fit the loaded model, or it serves a LoRA adapter.
+        """
+        ...
+
+    def close(self) -> None:
+        """Free the engine's memory."""
         ...

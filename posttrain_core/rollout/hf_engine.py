@@ -111,17 +111,18 @@ class HFEngine:
     ):
         self.dtype = dtype
         self.max_batch_size = max_batch_size
-        self.update_weights(model_path, policy_digest)
+        self.load(model_path, policy_digest)
 
-    def update_weights(self, model_path: str, policy_digest: str | None = None) -> None:
-        """Load the policy at `model_path` (full model or adapter folder) in place of the current one.
+    def load(self, model_path: str, policy_digest: str | None = None) -> str:
+        """Serve the policy at `model_path` (full model or adapter folder) instead of the current one; "reloaded".
 
-        The HF engine simply reloads the folder: on the models it is meant for (CPU tests, small GPUs) that takes
-        well under a second, and it is the same path a fresh actor takes after a crash.
+        The HF engine simply reloads the folder in this process: on the models it is meant for (CPU tests, small
+        GPUs) that takes well under a second, and it is the same path a fresh actor takes after a crash.
         """
         from posttrain_core.models.loading import check_model_path, load_causal_lm, load_tokenizer
 
         info = check_model_path(model_path)
+        self.model = None  # the old weights are freed before the new ones load
         self.model_path = str(model_path)
         self.policy_digest = policy_digest or self.model_path
         self.tokenizer = load_tokenizer(model_path, require_chat_template=True)
@@ -133,6 +134,10 @@ class HFEngine:
         self.eos_ids = sorted(i for i in eos if i is not None)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
+        return "reloaded"
+
+    def close(self) -> None:
+        self.model = None
 
     def load_weights(self, weights: dict, policy_digest: str) -> None:
         """Copy a full model's weights (name -> array, the keys of this model's state dict) into the loaded model, in
@@ -289,5 +294,3 @@ class HFEngine:
                 }
             )
         return results
-
-

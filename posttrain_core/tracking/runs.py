@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from posttrain_core.env import apply_defaults
+from posttrain_core.env import apply_defaults, setting
 from posttrain_core.tracking import process
 from posttrain_core.tracking.backend import _unflushed_client, tracking_uri
 from posttrain_core.tracking.orphans import _owner_tags, end_orphaned_runs
@@ -35,7 +35,7 @@ def experiment_id(store_root: str | os.PathLike | None, name: str) -> str:
     if exp is not None:
         return exp.experiment_id
     location = None
-    if not os.environ.get("MLFLOW_TRACKING_URI") and store_root and "://" not in str(store_root):
+    if not setting("MLFLOW_TRACKING_URI") and store_root and "://" not in str(store_root):
         location = (Path(store_root).resolve() / "mlruns").as_uri()
     try:
         return c.create_experiment(name, artifact_location=location)

@@ -104,9 +104,9 @@ def collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 # What one extra forward/backward pass costs, in padded tokens of work. It keeps `micro_batches` from cutting a step
-# into many small passes to save a few padding tokens. Seen on 2 CPU cores (bench/NOTES.md): ~10 ms a pass (~10
-# tokens) with a core to each thread, but seconds when other jobs share the cores (every op then waits for its
-# second OpenMP thread); 128 keeps ~2/3 of the padding saving with ~2 passes per step of the benchmark's data.
+# into many small passes to save a few padding tokens. On 2 CPU cores a pass costs ~10 ms (~10 tokens) with a core
+# to each thread, but far more when other jobs share the cores (every op then waits for its second OpenMP thread);
+# 128 keeps ~2/3 of the padding saving with ~2 passes per step of the benchmark's data.
 MICRO_BATCH_OVERHEAD_TOKENS = 128
 
 
@@ -158,7 +158,7 @@ def build_optimizer(model, cfg: TrainConfig):
 
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel (one pass over each tensor) instead of the default multi-tensor one: on CPU the optimizer step
-    # of a 10M-parameter model took 0.5-0.7 s with foreach and 0.03-0.15 s fused (bench/NOTES.md); same maths.
+    # of a 10M-parameter model takes 0.5-0.7 s with foreach and 0.03-0.15 s fused; same maths.
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused)
     return params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
