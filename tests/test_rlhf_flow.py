@@ -116,15 +116,17 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
         assert states[name] == ["Cached"], (name, states)
     assert states["rl_update[iter=2]"] == ["Completed"], states
     assert published <= {ref.key for ref in store.list()}
-    # The killed process could not end the runs it had open (the flow's and iteration 2's update); the rerun marked
-    # them KILLED. Its stages that had finished stay FINISHED; nothing is left RUNNING. The rerun's own: FINISHED.
+    # The killed process could not end the runs it had open: the flow's, and those of iteration 2's stages whose
+    # records its background writer had not written yet (the update's, and the score's closing record if it was
+    # still queued). The rerun marked them KILLED; nothing is left RUNNING. The rerun's own run: FINISHED.
     from posttrain_core import tracking
 
     c = tracking.client(cfg.store)
     exps = [e.experiment_id for e in c.search_experiments()]
     runs = c.search_runs(exps, filter_string=f"tags.`posttrain.pid` = '{proc.pid}'")
     ended = sorted((r.info.run_name.split("/")[0], r.info.status) for r in runs if r.info.status != "FINISHED")
-    assert ended == [("rl_update", "KILLED"), ("rlhf", "KILLED")], ended
+    assert ("rlhf", "KILLED") in ended and {status for _, status in ended} == {"KILLED"}, ended
+    assert {name for name, _ in ended} <= {"rlhf", "score", "rl_update"}, ended
     assert c.get_run(result["mlflow_run_id"]).info.status == "FINISHED"
     assert _stage_count(store, "rl_update") == 2 and _stage_count(store, "rollout") == 2
     assert _stage_count(store, "evaluate") == 4  # greedy and sampled, before and after
