@@ -418,3 +418,34 @@ def test_dynamic_sampling_stops_when_filled_and_gives_up_only_with_nothing():
     assert check_dynamic_sampling([(1, 8), (0, 8), (2, 8)], want=8, max_gen_batches=3)  # 3 groups: train on them
     with pytest.raises(DynamicSamplingError, match=r"only 0 of the 8 wanted prompts .*\(24 prompts sampled"):
         check_dynamic_sampling([(0, 8), (0, 8), (0, 8)], want=8, max_gen_batches=3)
+
+
+@pytest.mark.parametrize("value", [0.7, 2.7, 1 / 3])
+def test_equal_rewards_give_exactly_zero_advantages(value):
+    """No signal, no step: a group (and for the batch-whitened estimators, a batch) of equal rewards that are not
+    exact binary fractions gives advantages of exactly 0, not float32 rounding error divided by a std of rounding
+    error (which gave full-size advantages of one arbitrary sign)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 9, (16,), generator=g)
+    mask = (torch.arange(8)[None, :] < lengths[:, None]).float()
+    rewards = torch.full((16,), value, dtype=torch.float32)
+    inp = AdvantageInputs(token_level_rewards(rewards, mask), mask, torch.zeros(16, dtype=torch.long))
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
+        adv, _ = ADVANTAGES[name](inp)
+        assert adv.dtype == torch.float32
+        assert adv.abs().max().item() == 0.0, (name, adv.abs().max().item())
+    # two groups, each of one value: the group estimators still give 0
+    two = torch.cat([torch.full((8,), value), torch.full((8,), 2 * value)])
+    groups = torch.tensor([0] * 8 + [1] * 8)
+    for name in ("grpo", "dr_grpo", "rloo"):
+        assert ADVANTAGES[name](AdvantageInputs(token_level_rewards(two, mask), mask, groups))[0].abs().max() == 0
+
+
+def test_a_batch_without_signal_gives_a_zero_policy_gradient():
+    mask = torch.ones(16, 4)
+    rewards = torch.full((16,), 0.7)
+    adv, _ = ADVANTAGES["grpo"](AdvantageInputs(token_level_rewards(rewards, mask), mask, torch.zeros(16).long()))
+    logp = (-torch.rand(16, 4, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    loss, _ = clip_policy_loss(logp, logp.detach() + 0.1, adv, mask, LossSettings(dual_clip=3.0))
+    loss.backward()
+    assert loss.item() == 0.0 and logp.grad.abs().max().item() == 0.0

@@ -25,21 +25,27 @@ def masked_mean(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
     return masked_sum(x_B_T, mask_B_T) / mask_B_T.to(x_B_T.dtype).sum().clamp(min=1)
 
 
+def _float_dtype(x: Tensor) -> torch.dtype:
+    return x.dtype if x.is_floating_point() else torch.float32
+
+
 def whiten(x_B_T: Tensor, mask_B_T: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """(x - mean_m(x)) / (std_m(x) + eps) over the masked tokens of the whole batch; 0 where m = 0.
 
     std is unbiased (n - 1) over the n masked tokens. Our choice: with n <= 1 std = 1 (x - mean is then 0 anyway), so
-    the result is finite. shift_mean=False adds the mean back: only the spread is rescaled.
+    the result is finite. shift_mean=False adds the mean back: only the spread is rescaled. Computed in float64 and
+    returned in x's dtype: a batch of equal values has a mean of exactly that value (a float32 sum would carry a
+    rounding error, which divided by a std of pure rounding error gives full-size values of one arbitrary sign).
     """
-    m_B_T = mask_B_T.to(x_B_T.dtype)
-    n = m_B_T.sum()
-    mean = masked_mean(x_B_T, m_B_T)
-    var = (((x_B_T - mean) ** 2) * m_B_T).sum() / (n - 1).clamp(min=1)
+    x64, m64 = x_B_T.double(), mask_B_T.double()
+    n = m64.sum()
+    mean = masked_mean(x64, m64)
+    var = (((x64 - mean) ** 2) * m64).sum() / (n - 1).clamp(min=1)
     std = torch.where(n > 1, var.sqrt(), torch.ones_like(var))
-    out_B_T = (x_B_T - mean) / (std + eps)
+    out_B_T = (x64 - mean) / (std + eps)
     if not shift_mean:
         out_B_T = out_B_T + mean
-    return out_B_T * m_B_T
+    return (out_B_T * m64).to(_float_dtype(x_B_T))
 
 
 def token_level_rewards(rewards_B: Tensor, mask_B_T: Tensor) -> Tensor:
@@ -58,9 +64,10 @@ def token_level_rewards(rewards_B: Tensor, mask_B_T: Tensor) -> Tensor:
 def group_stats(rewards_B: Tensor, group_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(mean_B, std_B, size_B): mean, unbiased std and size of the group of each row; group ids are any ints.
 
-    Our choice (docs/algorithms.md, grpo): a group of size 1 has mean 0 and std 1. size_B is float, like rewards.
+    Our choice (docs/algorithms.md, grpo): a group of size 1 has mean 0 and std 1. All three are float64: a group of
+    equal rewards has a mean of exactly their value and a std of exactly 0, whatever the value (0.7, 1/3).
     """
-    s_B = rewards_B if rewards_B.is_floating_point() else rewards_B.float()
+    s_B = rewards_B.double()
     _, inv_B = torch.unique(group_B, return_inverse=True)
     size_G = torch.bincount(inv_B).to(s_B.dtype)
     mean_G = torch.zeros_like(size_G).index_add_(0, inv_B, s_B) / size_G
@@ -76,20 +83,21 @@ def group_stats(rewards_B: Tensor, group_B: Tensor) -> tuple[Tensor, Tensor, Ten
 def grpo_advantages(rewards_B: Tensor, group_B: Tensor, eps: float = 1e-6) -> Tensor:
     """adv_B = (s_i - mu_g) / (sigma_g + eps); a group of 1 uses mu = 0, sigma = 1; all-equal rewards give 0."""
     mean_B, std_B, _ = group_stats(rewards_B, group_B)
-    return (rewards_B - mean_B) / (std_B + eps)
+    return ((rewards_B.double() - mean_B) / (std_B + eps)).to(_float_dtype(rewards_B))
 
 
 @torch.no_grad()
 def dr_grpo_advantages(rewards_B: Tensor, group_B: Tensor) -> Tensor:
     """adv_B = s_i - mu_g (Dr.GRPO: no std); a group of 1 uses mu = 0."""
-    return rewards_B - group_stats(rewards_B, group_B)[0]
+    return (rewards_B.double() - group_stats(rewards_B, group_B)[0]).to(_float_dtype(rewards_B))
 
 
 @torch.no_grad()
 def rloo_advantages(rewards_B: Tensor, group_B: Tensor) -> Tensor:
     """adv_B = s_i - mean of the other n - 1 responses = n / (n - 1) (s_i - mu_g). Our choice: a group of 1 gives 0."""
     mean_B, _, n_B = group_stats(rewards_B, group_B)
-    return torch.where(n_B > 1, n_B / (n_B - 1).clamp(min=1) * (rewards_B - mean_B), torch.zeros_like(mean_B))
+    adv_B = torch.where(n_B > 1, n_B / (n_B - 1).clamp(min=1) * (rewards_B.double() - mean_B), torch.zeros_like(mean_B))
+    return adv_B.to(_float_dtype(rewards_B))
 
 
 @torch.no_grad()
