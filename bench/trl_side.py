@@ -110,7 +110,7 @@ def run_grpo(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from posttrain_core.data.synthetic import exact_match
+    from posttrain_core.rewards.verifiers import exact_match
 
     prompts = json.loads(open(spec["data"]).read())  # [{"prompt": messages, "answer": str}, ...] in order
     ds = Dataset.from_list(prompts)
@@ -119,7 +119,7 @@ def run_grpo(spec: dict) -> dict:
 
     def reward(prompts, completions, answer, **kw):  # posttrain's own verifier on both sides
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [exact_match(t, a)["reward"] for t, a in zip(texts, answer, strict=True)]
+        return [exact_match(None, t, a)["exact_match"] for t, a in zip(texts, answer, strict=True)]
 
     n, batch = spec["n"], spec["prompts"] * spec["n"]
     args = GRPOConfig(

@@ -42,10 +42,11 @@ from posttrain_core.algorithms.losses import (
 )
 from posttrain_core.config import RL_PRESETS
 from posttrain_core.data.chat import IGNORE_INDEX, tokenize_chat, tokenize_prompt
-from posttrain_core.data.synthetic import corpus_for_tokenizer, exact_match, make_problems
+from posttrain_core.data.synthetic import corpus_for_tokenizer, make_problems
 from posttrain_core.models.heads import left_padded
 from posttrain_core.models.tiny import TINY_PRESETS, build_tiny_model
 from posttrain_core.models.tokenizer import train_tokenizer
+from posttrain_core.rewards.verifiers import exact_match
 
 GRPO = RL_PRESETS["grpo"]  # the pipeline's preset: k3 KL in the loss with kl_coef 0.04, clip 0.2, token-mean
 N_PROBLEMS, MAX_TOKENS, SFT_LR = 32, 6, 3e-3
@@ -103,7 +104,7 @@ def response_logp(model, ids, attn, P: int) -> tuple[torch.Tensor, torch.Tensor]
 def score(tokenizer, ids, attn, P: int, answers: list[str]) -> torch.Tensor:
     """The verifier: reward 1 iff the response's answer equals the reference answer."""
     texts = [tokenizer.decode(r[m > 0], skip_special_tokens=True) for r, m in zip(ids[:, P:], attn[:, P:], strict=True)]
-    return torch.tensor([exact_match(t, a)["reward"] for t, a in zip(texts, answers, strict=True)])
+    return torch.tensor([exact_match(None, t, a)["exact_match"] for t, a in zip(texts, answers, strict=True)])
 
 
 def run(steps: int = 20, seed: int = 0, prompts: int = 32, samples: int = 8, lr: float = 5e-4, sft_steps: int = 200,

@@ -10,9 +10,26 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from posttrain_core.plugins import absolute, is_reference
+
 
 class _Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def code_refs(self) -> list[str]:
+        """The references to user code this config holds (fields marked `USER_CODE`), sorted: their source is part
+        of the key of the stage that runs them."""
+        refs: set[str] = set()
+        for name, field in type(self).model_fields.items():
+            if not (isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("user_code")):
+                continue
+            value = getattr(self, name)
+            items = list(value) if isinstance(value, list | dict) else [value]
+            refs.update(v for v in items if isinstance(v, str) and is_reference(v))
+        return sorted(refs)
+
+
+USER_CODE = {"user_code": True}  # json_schema_extra of fields that may name user code (`plugins`)
 
 
 class DataConfig(_Config):
@@ -25,8 +42,14 @@ class DataConfig(_Config):
     )
     eval_path: str | None = Field(
         None,
-        description="Prompts with ground-truth answers ({'messages'|'prompt', 'answer'}) for exact-match evaluation. "
-        "Empty: hold out `n_eval` rows of the training data (the last assistant turn is the answer).",
+        description="Held-out prompts with answers, in the columns of prompts_path. Empty: hold out `n_eval` rows of "
+        "the training data (the last assistant turn is the answer).",
+    )
+    prompts_path: str | None = Field(
+        None,
+        description="RL prompts: JSONL, Parquet or `datasets` folder of {'messages'|'prompt', 'answer' (optional), any "
+        "other columns (kept in `meta`, passed to reward functions)}. Empty: the synthetic task's RL prompts, or the "
+        "training chats (their last assistant turn as the answer)",
     )
     text_path: str | None = Field(
         None,
@@ -146,7 +169,11 @@ class SFTConfig(TrainConfig):
 class EvalConfig(_Config):
     """Answers to held-out prompts, scored by a verifier: greedy accuracy by default, pass@k with several samples."""
 
-    verifier: Literal["exact_match", "numeric"] = Field("exact_match", description="how answers are checked")
+    verifier: str = Field(
+        "exact_match", json_schema_extra=USER_CODE,
+        description="how answers are checked: a built-in verifier that decides correctness (exact_match, numeric, "
+        "math) or your reward function returning {'correct': 0/1, ...} ('package.module:fn' or 'file.py:fn')",
+    )  # fmt: skip
     max_new_tokens: int = Field(
         32, ge=1, description="generated tokens per answer (the demo's worked arithmetic takes up to 29)"
     )
@@ -228,43 +255,65 @@ class RolloutConfig(_Config):
 
 
 class ScoreConfig(_Config):
-    """Rewards for rollouts: weighted verifiers, a reward model and shaping terms, each kept as its own column."""
+    """Rewards for rollouts: weighted verifiers, the user's reward functions, a reward model and shaping terms, each
+    kept as its own column (docs/rewards.md)."""
 
     verifiers: dict[str, float] = Field(
         default_factory=lambda: {"exact_match": 1.0},
-        description="verifier name -> weight (exact_match, numeric, regex)",
+        description="built-in verifier -> weight: exact_match, numeric, math (\\boxed{} or '#### N'), regex, format, "
+        "length",
     )
-    regex: str | None = Field(None, description="pattern for the regex (format) verifier")
+    reward_functions: dict[str, float] = Field(
+        default_factory=dict, json_schema_extra=USER_CODE,
+        description="your reward functions -> weight, as 'package.module:function' or 'path/to/file.py:function': "
+        "fn(prompt, response, answer, meta) -> float | dict[str, float] (docs/rewards.md)",
+    )  # fmt: skip
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="a reward function call running longer fails that sample (counted in reward_errors)"
+    )
+    regex: str | None = Field(None, description="pattern of the regex verifier (re.search)")
+    format_pattern: str | None = Field(None, description="pattern of the format verifier (the whole response)")
+    length_limit: int = Field(1000, ge=1, description="length verifier: characters before the penalty starts")
     reward_model_weight: float = Field(0.0, description="weight of the reward model's score (needs a reward model)")
     overlong_max_tokens: int | None = Field(None, ge=1, description="DAPO overlong shaping: length budget L_max")
     overlong_buffer: int = Field(8, ge=1, description="DAPO overlong shaping: soft buffer L_buf")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at L_max")
-    num_workers: int = Field(2, ge=1, description="reward-model scoring actors")
+    num_workers: int = Field(2, ge=1, description="Ray tasks running the reward functions, and reward-model actors")
     batch_size: int = Field(64, ge=1, description="rollouts per reward-model forward")
 
 
-Algorithm = Literal["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo"]
+Algorithm = Literal[
+    "ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo", "gspo", "cispo"
+]  # fmt: skip
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 # What each algorithm means when a field is left empty (None). Definitions: docs/algorithms.md.
+_CLIP = dict(policy_loss="clip", clip_low=0.2, clip_high=0.2)
 RL_PRESETS: dict[str, dict] = {
-    "ppo": dict(advantage="gae", critic=True, loss_agg="token-mean", clip_low=0.2, clip_high=0.2,
+    "ppo": dict(advantage="gae", critic=True, loss_agg="token-mean", **_CLIP,
                 kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
-    "grpo": dict(advantage="grpo", critic=False, loss_agg="token-mean", clip_low=0.2, clip_high=0.2,
+    "grpo": dict(advantage="grpo", critic=False, loss_agg="token-mean", **_CLIP,
                  kl_placement="loss", kl_estimator="k3", kl_coef=0.04),
-    "dr_grpo": dict(advantage="dr_grpo", critic=False, loss_agg="seq-mean-token-sum-norm", clip_low=0.2,
-                    clip_high=0.2, kl_placement="none", kl_estimator="k3", kl_coef=0.0),
-    "rloo": dict(advantage="rloo", critic=False, loss_agg="token-mean", clip_low=0.2, clip_high=0.2,
+    "dr_grpo": dict(advantage="dr_grpo", critic=False, loss_agg="seq-mean-token-sum-norm", **_CLIP,
+                    kl_placement="none", kl_estimator="k3", kl_coef=0.0),
+    "rloo": dict(advantage="rloo", critic=False, loss_agg="token-mean", **_CLIP,
                  kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
-    "reinforce_pp": dict(advantage="reinforce_pp", critic=False, loss_agg="token-mean", clip_low=0.2,
-                         clip_high=0.2, kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
-    "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline", critic=False, loss_agg="token-mean",
-                                  clip_low=0.2, clip_high=0.2, kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
-    "dapo": dict(advantage="grpo", critic=False, loss_agg="token-mean", clip_low=0.2, clip_high=0.28,
-                 kl_placement="none", kl_estimator="k3", kl_coef=0.0, dynamic_sampling=True, overlong=True),
-    "vapo": dict(advantage="vapo", critic=True, loss_agg="token-mean", clip_low=0.2, clip_high=0.28,
-                 kl_placement="none", kl_estimator="k3", kl_coef=0.0, critic_lam=1.0, nll_coef=0.1,
+    "reinforce_pp": dict(advantage="reinforce_pp", critic=False, loss_agg="token-mean", **_CLIP,
+                         kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
+    "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline", critic=False, loss_agg="token-mean", **_CLIP,
+                                  kl_placement="reward", kl_estimator="k1", kl_coef=0.02),
+    "dapo": dict(advantage="grpo", critic=False, loss_agg="token-mean", policy_loss="clip", clip_low=0.2,
+                 clip_high=0.28, kl_placement="none", kl_estimator="k3", kl_coef=0.0, dynamic_sampling=True,
+                 overlong=True),
+    "vapo": dict(advantage="vapo", critic=True, loss_agg="token-mean", policy_loss="clip", clip_low=0.2,
+                 clip_high=0.28, kl_placement="none", kl_estimator="k3", kl_coef=0.0, critic_lam=1.0, nll_coef=0.1,
                  value_pretrain_steps=20),
+    # GSPO: the clip on the sequence ratio, with the paper's ranges (a sequence ratio moves far less than a token's)
+    "gspo": dict(advantage="grpo", critic=False, loss_agg="seq-mean-token-mean", policy_loss="gspo", clip_low=3e-4,
+                 clip_high=4e-4, kl_placement="none", kl_estimator="k3", kl_coef=0.0),
+    # CISPO: the clipped ratio only weights each token's gradient; no lower clip (1 - 0.99), clip-higher as DAPO's
+    "cispo": dict(advantage="grpo", critic=False, loss_agg="token-mean", policy_loss="cispo", clip_low=0.99,
+                  clip_high=0.28, kl_placement="none", kl_estimator="k3", kl_coef=0.0),
 }  # fmt: skip
 
 
@@ -287,7 +336,18 @@ class RLConfig(_Config):
     ppo_epochs: int = Field(1, ge=1, description="passes over the batch per update")
     mini_batches: int = Field(4, ge=1, description="optimizer steps per epoch (the batch is cut into this many)")
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward pass on one worker")
-    policy_loss: Literal["clip", "gspo"] = Field("clip", description="token-ratio PPO clip, or GSPO sequence ratio")
+    advantage: str | None = Field(
+        None,
+        json_schema_extra=USER_CODE,
+        description="advantage estimator: gae, vapo, grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or "
+        "your own registered function as 'package.module:function' / 'path/to/file.py:function' (empty: preset)",
+    )
+    critic: bool | None = Field(None, description="train a critic (value model) beside the policy (empty: preset)")
+    policy_loss: str | None = Field(
+        None, json_schema_extra=USER_CODE,
+        description="policy loss: clip (PPO token ratio), gspo (sequence ratio), cispo (clipped ratio as a weight), "
+        "or your own function as 'package.module:function' / 'path/to/file.py:function' (empty: preset)",
+    )  # fmt: skip
     clip_low: float | None = Field(None, gt=0, lt=1, description="ratio clip below 1 - clip_low (empty: preset)")
     clip_high: float | None = Field(None, gt=0, description="ratio clip above 1 + clip_high (empty: preset)")
     dual_clip: float | None = Field(3.0, gt=1, description="dual-clip bound c for negative advantages (empty: off)")
@@ -336,26 +396,33 @@ class RLConfig(_Config):
         """This config with every empty field set to the algorithm's preset."""
         defaults = {"critic_lam": self.lam, "nll_coef": 0.0, "dynamic_sampling": False, "value_pretrain_steps": 0}
         update = {}
-        for name in ("clip_low", "clip_high", "loss_agg", "kl_placement", "kl_estimator", "kl_coef", *defaults):
+        names = ("advantage", "critic", "policy_loss", "clip_low", "clip_high", "loss_agg", "kl_placement",
+                 "kl_estimator", "kl_coef")  # fmt: skip
+        for name in (*names, *defaults):
             if getattr(self, name) is None:
                 value = self.preset(name)
                 update[name] = defaults.get(name) if value is None else value
+        for name in ("advantage", "policy_loss"):  # Ray workers load user code by the same, absolute, reference
+            value = update.get(name, getattr(self, name))
+            if is_reference(value):
+                update[name] = absolute(value)
         return self.model_copy(update=update)
 
     @property
     def uses_critic(self) -> bool:
-        return bool(self.preset("critic"))
-
-    @property
-    def advantage(self) -> str:
-        return self.preset("advantage")
+        return bool(self.preset("critic") if self.critic is None else self.critic)
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
         if self.kl_target is not None and (self.kl_placement or self.preset("kl_placement")) != "reward":
             raise ValueError("kl_target (adaptive KL) needs kl_placement='reward'")
-        if self.policy_loss == "gspo" and self.uses_critic:
+        if (self.policy_loss or self.preset("policy_loss")) == "gspo" and self.uses_critic:
             raise ValueError(f"policy_loss='gspo' takes sequence advantages; algorithm '{self.algorithm}' has a critic")
+        if self.uses_critic and (self.advantage or self.preset("advantage")) not in ("gae", "vapo"):
+            if not is_reference(self.advantage or ""):
+                raise ValueError(
+                    f"critic=True needs a critic's advantage estimator (gae, vapo), not {self.advantage!r}"
+                )
         return self
 
 
@@ -397,7 +464,7 @@ class RLHFFlowConfig(_Config):
     def _check(self) -> RLHFFlowConfig:
         if self.rollout.max_prompts is None:
             raise ValueError("rollout.max_prompts (prompts per iteration) must be set for RL")
-        if self.rl.algorithm != "rloo" and self.rl.advantage in ("grpo", "dr_grpo") and self.rollout.n < 2:
+        if self.rl.algorithm != "rloo" and self.rl.resolved().advantage in ("grpo", "dr_grpo") and self.rollout.n < 2:
             raise ValueError(f"rl.algorithm='{self.rl.algorithm}' compares samples of a prompt: rollout.n must be >= 2")
         if self.rl.algorithm == "rloo" and self.rollout.n < 2:
             raise ValueError("rl.algorithm='rloo' needs rollout.n >= 2 (leave-one-out baseline)")

@@ -17,6 +17,8 @@ import pyarrow as pa
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import EvalConfig, ScoreConfig
+from posttrain_core.plugins import is_reference
+from posttrain_core.rewards.score import check_score_config, score_rollouts
 from posttrain_core.rollout.engine import SamplingSettings
 from posttrain_core.rollout.pool import EnginePool, EngineSpec
 from posttrain_core.stage import StageContext, StageOutput, run_stage
@@ -49,6 +51,8 @@ def run_evaluate(
         raise ValueError(f"{STAGE}: {prompts.uri} has no prompt with an answer")
     check_unique_ids(table, prompts.uri, STAGE)
     check_context(store.local_path(model), info, table, cfg.max_new_tokens, "EvalConfig.max_new_tokens", STAGE)
+    score_cfg = verifier_config(cfg)
+    check_score_config(score_cfg, has_reward_model=False)
     if cfg.engine == "vllm":
         from posttrain_core.rollout.vllm_env import vllm_options
 
@@ -57,7 +61,6 @@ def run_evaluate(
     def build(ctx: StageContext) -> StageOutput:
         from posttrain_core.data.io import write_dataset
         from posttrain_core.rewards.passk import pass_at_k_by_family
-        from posttrain_core.rewards.score import score_rollouts
         from posttrain_core.rollout.stage import generate
 
         params = SamplingSettings(
@@ -68,7 +71,12 @@ def run_evaluate(
             rows, _, _ = generate(
                 EnginePool(group, spec), table, model, str(store.local_path(model)), params, cfg.batch_size, STAGE
             )
-        scored = score_rollouts(rows, ScoreConfig(verifiers={cfg.verifier: 1.0}))
+        scored = score_rollouts(rows, score_cfg)
+        if scored.column("correct").null_count == scored.num_rows:
+            raise ValueError(
+                f"{STAGE}: EvalConfig.verifier {cfg.verifier!r} gives no verifier outcome: it must return "
+                "{'correct': 0 or 1, ...} (exact_match, numeric and math do)"
+            )
         families = {
             pid: (json.loads(meta) if meta else {}).get("family")
             for pid, meta in zip(table.column("prompt_id").to_pylist(), table.column("meta").to_pylist(), strict=True)
@@ -87,6 +95,13 @@ def run_evaluate(
         return StageOutput(manifest={"model": model.uri, "num_prompts": table.num_rows}, metrics=metrics)
 
     return run_stage(STAGE, cfg, {"prompts": prompts, "model": model}, store, "dataset", build, schema_kind="eval")
+
+
+def verifier_config(cfg: EvalConfig) -> ScoreConfig:
+    """The scoring of an evaluation: its verifier alone, a built-in or the user's function."""
+    if is_reference(cfg.verifier):
+        return ScoreConfig(verifiers={}, reward_functions={cfg.verifier: 1.0})
+    return ScoreConfig(verifiers={cfg.verifier: 1.0})
 
 
 def summarize(results: list[dict]) -> dict[str, float]:

@@ -53,7 +53,18 @@ class StageOutput:
 
 
 def key_for(stage: str, cfg: BaseModel, inputs: Mapping[str, ArtifactRef]) -> str:
-    return stage_key(stage, cfg, [ref.digest for ref in inputs.values()])
+    """The stage key: the config (with the source of any user code it names), the inputs' digests, the code version."""
+    code = user_code(cfg)
+    config = {"config": cfg.model_dump(mode="json"), "user_code": code} if code else cfg
+    return stage_key(stage, config, [ref.digest for ref in inputs.values()])
+
+
+def user_code(cfg: BaseModel) -> dict[str, str]:
+    """reference -> sha256 of its source, for the user code `cfg` names (`plugins`); empty for none."""
+    from posttrain_core.plugins import source_digest
+
+    refs = cfg.code_refs() if hasattr(cfg, "code_refs") else []
+    return {ref: source_digest(ref, f"{type(cfg).__name__}") for ref in refs}
 
 
 def check_inputs(stage: str, inputs: Mapping[str, ArtifactRef], store: ArtifactStore) -> None:
@@ -192,6 +203,7 @@ def _build(stage, cfg, inputs, store, kind, build, schema_kind, key) -> Artifact
         manifest = {
             "stage": stage,
             "config": cfg.model_dump(mode="json"),
+            **({"user_code": code} if (code := user_code(cfg)) else {}),
             "inputs": [{"name": name, **ref.model_dump()} for name, ref in inputs.items()],
             "mlflow_run_id": tracker.run_id,
             "metrics": out.metrics,

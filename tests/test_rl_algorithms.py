@@ -449,3 +449,41 @@ def test_a_batch_without_signal_gives_a_zero_policy_gradient():
     loss, _ = clip_policy_loss(logp, logp.detach() + 0.1, adv, mask, LossSettings(dual_clip=3.0))
     loss.backward()
     assert loss.item() == 0.0 and logp.grad.abs().max().item() == 0.0
+
+
+def test_cispo_weights_every_token_by_its_clipped_ratio():
+    """CISPO: L = -sg(clip(rho, 1 - low, 1 + high)) A logp, token-mean. Unlike the clip loss, a clipped token keeps a
+    gradient (the clipped weight times A); at rho = 1 both losses have the same gradient."""
+    ratios = [1.5, 0.5, 1.1]
+    logp, old = _logp_for(ratios)
+    adv, mask = torch.tensor([[1.0, -1.0, 2.0]]), torch.ones(1, 3)
+    loss, info = POLICY_LOSSES["cispo"](logp, old, adv, mask, LossSettings(clip_low=0.2, clip_high=0.28))
+    w = [1.28, 0.8, 1.1]  # clip(rho, 0.8, 1.28)
+    assert loss.item() == pytest.approx(
+        -sum(wi * a * math.log(r) for wi, a, r in zip(w, [1, -1, 2], ratios, strict=True)) / 3
+    )
+    assert info["clip_frac"].item() == pytest.approx(2 / 3)
+    loss.backward()
+    _close(logp.grad, [[-1.28 / 3, 0.8 / 3, -2.2 / 3]], 1e-6)  # dL/dlogp = -w A / 3: every token has a gradient
+    at_one, old1 = _logp_for([1.0, 1.0, 1.0])
+    clip_at_one = at_one.detach().clone().requires_grad_()
+    POLICY_LOSSES["cispo"](at_one, old1, adv, mask)[0].backward()
+    clip_policy_loss(clip_at_one, old1, adv, mask)[0].backward()
+    torch.testing.assert_close(at_one.grad, clip_at_one.grad)
+
+
+def test_user_functions_are_found_by_reference(tmp_path):
+    """A registry takes 'path/to/file.py:function' (or 'package.module:function') besides its own names."""
+    (tmp_path / "my_loss.py").write_text(
+        "def half_clip(logp, old, adv, mask, settings=None):\n"
+        "    from posttrain_core.algorithms.losses import LossSettings, clip_policy_loss\n"
+        "    loss, info = clip_policy_loss(logp, old, adv, mask, settings or LossSettings())\n"
+        "    return 0.5 * loss, info\n"
+    )
+    fn = POLICY_LOSSES[f"{tmp_path}/my_loss.py:half_clip"]
+    args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    assert fn(*args)[0].item() == pytest.approx(0.5 * clip_policy_loss(*args)[0].item())
+    with pytest.raises(ValueError, match="has no 'nope'"):
+        POLICY_LOSSES[f"{tmp_path}/my_loss.py:nope"]
+    with pytest.raises(ValueError, match="unknown policy loss 'clp'.*path/to/file.py:function"):
+        POLICY_LOSSES["clp"]

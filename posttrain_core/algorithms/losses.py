@@ -224,6 +224,34 @@ def gspo_policy_loss(
     return loss, metrics
 
 
+@register_policy_loss("cispo")
+def cispo_policy_loss(
+    logp_B_T: Tensor,
+    old_logp_B_T: Tensor,
+    adv_B_T: Tensor,
+    mask_B_T: Tensor,
+    settings: LossSettings = LossSettings(),  # noqa: B008 (frozen)
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): L_t = -sg(clip(rho_t, 1 - clip_low, 1 + clip_high)) A_t logp_t, then aggregated.
+
+    The clipped importance ratio is a stop-gradient weight on the REINFORCE term, so every token keeps a gradient
+    (PPO's clip zeroes the gradient of clipped tokens). At rho = 1 the gradient equals the clip loss's. Metrics as the
+    clip loss's: clip_frac (the weight was clipped), approx_kl, ratio_mean.
+    """
+    s = settings
+    d_B_T = logp_B_T - old_logp_B_T.detach()
+    ratio_B_T = d_B_T.detach().clamp(-20.0, 20.0).exp()
+    weight_B_T = ratio_B_T.clamp(1.0 - s.clip_low, 1.0 + s.clip_high)
+    loss = s.aggregate(-weight_B_T * adv_B_T.detach() * logp_B_T, mask_B_T)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean((weight_B_T != ratio_B_T).float(), mask_B_T),
+            "approx_kl": masked_mean(0.5 * d_B_T.float() ** 2, mask_B_T),
+            "ratio_mean": masked_mean(ratio_B_T.float(), mask_B_T),
+        }
+    return loss, metrics
+
+
 # ------------------------------------------------------------------------------------------------- the rest
 def value_loss(
     values_B_T: Tensor,

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
+from posttrain_core.plugins import is_reference, load
+
 F = TypeVar("F", bound=Callable)
 
 
@@ -35,10 +37,17 @@ class Registry(Generic[F]):
         return add
 
     def __getitem__(self, name: str) -> F:
+        """The function registered as `name`, or the user's function a reference names ("pkg.module:fn",
+        "path/file.py:fn"; `plugins`)."""
+        if is_reference(name):
+            return load(name, self.kind)
         try:
             return self._items[name]
         except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._items))}") from None
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._items))}, or your own function as "
+                "'package.module:function' or 'path/to/file.py:function'"
+            ) from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

@@ -26,7 +26,9 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
 
 def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer: offsets are needed for the mask")
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer: offsets are needed for the mask"
+        )
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 

@@ -140,7 +140,9 @@ def _rows_to_table(rows: list[dict], kind: str, where: Callable[[int], str]) -> 
                     pa.array([value], type=type_)
                 except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as err:
                     expected = f"expected {type_}" if type_ is not None else "its type differs from earlier rows"
-                    raise ValueError(f"{where(i)}: field '{name}' has value {value!r:.80}; {expected} ({err})") from None
+                    raise ValueError(
+                        f"{where(i)}: field '{name}' has value {value!r:.80}; {expected} ({err})"
+                    ) from None
             raise
         fields.append(name)
     for field in schema:  # absent nullable columns (answer, meta, ...) are simply unknown
@@ -194,11 +196,39 @@ def import_file(path: str | Path, kind: str) -> pa.Table:
     text rows that are plain JSON strings; prompts {"prompt": str} and a missing prompt_id (f"{file stem}-{line}",
     or the row index for tables), a numeric answer (made a string), a meta object (made JSON text);
     preferences with string prompt/chosen/rejected, or TRL's implicit-prompt form (chosen/rejected full chats).
+    Prompts keep their other columns in `meta` (`fold_into_meta`): reward functions receive them.
 
     Raises:
         FileNotFoundError naming the path; ValueError naming the file and line (or row) for bad rows.
     """
-    p = Path(path)
+    table = _import(Path(path), kind)
+    return fold_into_meta(table, str(path)) if kind == "prompts" else table
+
+
+def fold_into_meta(table: pa.Table, source: str) -> pa.Table:
+    """A prompts table with its columns beyond the schema's moved into `meta` (a JSON object per row, merged with a
+    `meta` the row already has), so that they travel with the prompt to the reward functions."""
+    names = SCHEMAS["prompts"].names
+    extra = [c for c in table.column_names if c not in names]
+    if not extra:
+        return table
+    metas = table.column("meta").to_pylist()
+    columns = {c: table.column(c).to_pylist() for c in extra}
+    folded = []
+    for i, text in enumerate(metas):
+        try:
+            meta = json.loads(text) if text else {}
+        except ValueError as err:
+            raise ValueError(f"{source} row {i}: field 'meta' is not JSON ({err})") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{source} row {i}: field 'meta' must be a JSON object, got {type(meta).__name__}")
+        folded.append(json.dumps({**{c: columns[c][i] for c in extra}, **meta}, sort_keys=True, default=str))
+    table = table.drop_columns(extra)
+    return table.set_column(table.schema.get_field_index("meta"), "meta", pa.array(folded, pa.string()))
+
+
+def _import(p: Path, kind: str) -> pa.Table:
+    path = str(p)
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     if p.is_dir():
@@ -235,8 +265,10 @@ def import_hf(path: str | Path, kind: str, split: str = "train") -> pa.Table:
     if p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
         ds = datasets.load_from_disk(str(p))
     else:
-        files = [p] if p.is_file() else sorted(p.glob("*.parquet")) or sorted(
-            f for s in _JSON_SUFFIXES for f in p.glob(f"*{s}")
+        files = (
+            [p]
+            if p.is_file()
+            else sorted(p.glob("*.parquet")) or sorted(f for s in _JSON_SUFFIXES for f in p.glob(f"*{s}"))
         )
         if not files:
             raise ValueError(f"{path}: no parquet or JSON files to load")

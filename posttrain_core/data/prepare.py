@@ -1,8 +1,8 @@
 """The prepare_data stage: synthetic task or user files -> validated Arrow dataset artifacts in the store.
 
 Outputs (one artifact each): `sft` (training chats), `eval` (held-out prompts with answers), `text` (raw text for
-continued pretraining), `prompts` (RL prompts with answers: for the synthetic task problems of their own, for a
-user's file its training chats) and, for the synthetic task, `preferences` (right vs wrong answers, for RM/DPO).
+continued pretraining), `prompts` (RL prompts with answers: `prompts_path` when given, else for the synthetic task
+problems of their own, for a user's training file its chats) and, for the synthetic task, `preferences` (right vs wrong answers, for RM/DPO).
 """
 
 from __future__ import annotations
@@ -39,7 +39,12 @@ class DataRefs(BaseModel):
 
 def _inputs(cfg: DataConfig, store: ArtifactStore) -> dict[str, ArtifactRef]:
     """User files are inputs (their fingerprint is part of the key); the synthetic task has none."""
-    files = {"train_file": cfg.train_path, "eval_file": cfg.eval_path, "text_file": cfg.text_path}
+    files = {
+        "train_file": cfg.train_path,
+        "eval_file": cfg.eval_path,
+        "text_file": cfg.text_path,
+        "prompts_file": cfg.prompts_path,
+    }
     return {name: store.register_external(path, kind="dataset") for name, path in files.items() if path}
 
 
@@ -99,6 +104,8 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
             "text": (text, "text"),
             "prompts": (chats_as_prompts(sft), "prompts"),
         }
+        if cfg.prompts_path:
+            tables["prompts"] = (importers.import_file(cfg.prompts_path, "prompts"), "prompts")
     else:
         problems = synthetic.make_problems(
             families=tuple(cfg.families),
@@ -119,6 +126,10 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
             "prompts": (synthetic.prompts_table(rl), "prompts"),
             "preferences": (synthetic.preferences_table(train, cfg.seed), "preferences"),
         }
+        if cfg.prompts_path:
+            tables["prompts"] = (importers.import_file(cfg.prompts_path, "prompts"), "prompts")
+        if cfg.eval_path:
+            tables["eval"] = (importers.import_file(cfg.eval_path, "prompts"), "prompts")
     for name, (table, kind) in tables.items():
         if table.num_rows == 0:
             raise ValueError(f"prepare_data: the '{name}' dataset is empty")

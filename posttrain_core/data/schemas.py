@@ -102,9 +102,7 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
         return pa.types.is_floating(src) or pa.types.is_integer(src)
     if pa.types.is_map(dst):
         return (
-            pa.types.is_map(src)
-            and _castable(src.key_type, dst.key_type)
-            and _castable(src.item_type, dst.item_type)
+            pa.types.is_map(src) and _castable(src.key_type, dst.key_type) and _castable(src.item_type, dst.item_type)
         )
     if pa.types.is_list(dst):
         is_list = pa.types.is_list(src) or pa.types.is_large_list(src) or pa.types.is_fixed_size_list(src)
@@ -139,9 +137,7 @@ def _cast_column(col: pa.ChunkedArray, field: pa.Field, source: str) -> pa.Chunk
     try:
         return col.cast(field.type, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
-        raise SchemaError(
-            source, f"column '{field.name}' has type {col.type}, expected {field.type} ({err})"
-        ) from None
+        raise SchemaError(source, f"column '{field.name}' has type {col.type}, expected {field.type} ({err})") from None
 
 
 def _check_messages(col: pa.Array, name: str, kind: str, source: str) -> None:
@@ -198,7 +194,9 @@ def validate_table(table: pa.Table, kind: str, source: str = "dataset") -> pa.Ta
     schema = SCHEMAS[kind]
     for field in schema:
         if field.name not in table.column_names:
-            raise SchemaError(source, f"column '{field.name}' is missing (kind '{kind}' needs: {', '.join(schema.names)})")
+            raise SchemaError(
+                source, f"column '{field.name}' is missing (kind '{kind}' needs: {', '.join(schema.names)})"
+            )
     columns, fields = [], []
     for field in schema:
         col = _cast_column(table.column(field.name), field, source)

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
-import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 
@@ -301,82 +298,3 @@ def corpus_for_tokenizer(problems: Sequence[Problem]) -> list[str]:
         + list(FILLER_SENTENCES)
         + ["system\n", "user\n", "assistant\n", "tool\n"]
     )
-
-
-# ---- verifiers: plain functions of (response, reference); never raise on a malformed response ----
-
-_MARKER = re.compile(r"(?i:answer is)|A:")
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
-
-
-def _result(correct: bool, parse_failed: bool = False) -> dict:
-    return {"reward": 1.0 if correct else 0.0, "correct": correct, "parse_failed": parse_failed}
-
-
-def extract_answer(text: Any) -> str | None:
-    """The answer in a response: the text after the last "answer is" / "A:" if any, else all of it; whitespace, a
-    leading ':' and one trailing period stripped. None for an empty result or a non-string."""
-    if not isinstance(text, str):
-        return None
-    text = text.strip()
-    markers = list(_MARKER.finditer(text))
-    if markers:
-        text = text[markers[-1].end() :].strip().lstrip(":").strip()
-    if text.endswith("."):
-        text = text[:-1].rstrip()
-    return text or None
-
-
-def exact_match(response: Any, answer: Any) -> dict:
-    """reward 1.0 iff the extracted answer equals `answer` (both stripped); parse_failed when nothing was extracted.
-
-    Returns:
-        {"reward": float, "correct": bool, "parse_failed": bool}
-    """
-    pred = extract_answer(response)
-    if pred is None:
-        return _result(False, parse_failed=True)
-    return _result(answer is not None and pred == str(answer).strip())
-
-
-def _last_number(text: Any) -> float | None:
-    if not isinstance(text, str):
-        return None
-    found = _NUMBER.findall(text)
-    if not found:
-        return None
-    try:
-        value = float(found[-1].replace(",", ""))
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
-def numeric_match(response: Any, answer: Any, tol: float = 1e-6) -> dict:
-    """reward 1.0 iff the last number in the response is within tol of `answer` (absolute or relative).
-
-    A response without a number gives parse_failed=True; an answer that is not a number is never matched.
-    """
-    pred = _last_number(response)
-    if pred is None:
-        return _result(False, parse_failed=True)
-    ref = _last_number(str(answer)) if answer is not None else None
-    return _result(ref is not None and math.isclose(pred, ref, rel_tol=tol, abs_tol=tol))
-
-
-def regex_format(response: Any, pattern: str) -> dict:
-    """reward 1.0 iff `re.search(pattern, response)` matches (anchor the pattern for a whole-response format).
-
-    A non-string response gives parse_failed=True; an invalid pattern raises re.error (a configuration mistake).
-    """
-    if not isinstance(response, str):
-        return _result(False, parse_failed=True)
-    return _result(re.search(pattern, response) is not None)
-
-
-# exact_match and numeric are called as fn(response, answer); regex as fn(response, pattern).
-VERIFIERS: dict[str, Callable[..., dict]] = {
-    "exact_match": exact_match,
-    "numeric": numeric_match,
-    "regex": regex_format,
-}

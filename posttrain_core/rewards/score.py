@@ -1,21 +1,24 @@
 """The score stage: rollouts -> scored rollouts, with every reward term kept as its own component.
 
-Components (raw, unweighted values in `reward_components`): one per verifier of `ScoreConfig.verifiers`
-(`exact_match`, `numeric`, `regex`), `reward_model` (a reward model's score, batched on Ray actors) and `overlong`
-(DAPO shaping). `reward` = sum_v w_v * verifier_v + reward_model_weight * reward_model + overlong.
+Terms (raw values in `reward_components`): each built-in verifier of `ScoreConfig.verifiers` and each user reward
+function of `ScoreConfig.reward_functions` (`rewards.functions`), a reward model's score (`reward_model`, batched on
+Ray actors) and DAPO's overlong shaping (`overlong`). `reward` = the weighted sum of the functions' components +
+reward_model_weight * reward_model + overlong. The functions run on Ray tasks, so a slow one scales out.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from posttrain_core.rewards.functions import RewardSpec, Scores, apply, specs_of
 from posttrain_core.rewards.shaping import overlong_penalty
 
 if TYPE_CHECKING:
@@ -25,30 +28,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGE = "score"
-ANSWER_VERIFIERS = ("exact_match", "numeric")  # compare with the row's answer; they decide `correct`
 RM_COMPONENT, OVERLONG_COMPONENT = "reward_model", "overlong"
 
 # A reward model given to `score_rollouts`: precomputed scores (one per row), or fn(prompts, responses) -> scores.
 RewardModelScores = Sequence[float] | Callable[[list[list[dict]], list[str]], Sequence[float]]
 
 
-def check_score_config(cfg: ScoreConfig, has_reward_model: bool) -> None:
-    """Config errors, raised before any work: unknown verifiers, a regex verifier without a valid pattern, a reward
-    model weight without a reward model, an overlong buffer larger than the budget."""
-    from posttrain_core.data.synthetic import VERIFIERS
-
-    unknown = [v for v in cfg.verifiers if v not in VERIFIERS]
-    if unknown:
-        raise ValueError(f"ScoreConfig.verifiers: unknown {unknown}; known: {', '.join(VERIFIERS)}")
-    if not cfg.verifiers and not has_reward_model and cfg.overlong_max_tokens is None:
-        raise ValueError("ScoreConfig: no reward term (no verifier, no reward model, no shaping)")
-    if "regex" in cfg.verifiers:
-        if not cfg.regex:
-            raise ValueError("ScoreConfig.verifiers has 'regex' but ScoreConfig.regex (the pattern) is empty")
-        try:
-            re.compile(cfg.regex)
-        except re.error as err:
-            raise ValueError(f"ScoreConfig.regex {cfg.regex!r} is not a valid pattern ({err})") from None
+def check_score_config(cfg: ScoreConfig, has_reward_model: bool) -> list[RewardSpec]:
+    """Config errors, raised before any work: unknown verifiers, user reward functions that cannot be imported or
+    take the wrong arguments, a missing pattern, a reward model weight without a reward model, an overlong buffer
+    larger than the budget. Returns the reward terms."""
+    specs = specs_of(cfg)
+    if not specs and not has_reward_model and cfg.overlong_max_tokens is None:
+        raise ValueError("ScoreConfig: no reward term (no verifier, no reward function, no reward model, no shaping)")
+    for name, field in (("regex", "regex"), ("format", "format_pattern")):
+        if name in cfg.verifiers:
+            pattern = getattr(cfg, field)
+            if not pattern:
+                raise ValueError(f"ScoreConfig.verifiers has {name!r} but ScoreConfig.{field} (the pattern) is empty")
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"ScoreConfig.{field} {pattern!r} is not a valid pattern ({err})") from None
     if cfg.reward_model_weight != 0 and not has_reward_model:
         raise ValueError(f"ScoreConfig.reward_model_weight is {cfg.reward_model_weight} but no reward model was given")
     if cfg.overlong_max_tokens is not None and cfg.overlong_buffer > cfg.overlong_max_tokens:
@@ -56,75 +57,58 @@ def check_score_config(cfg: ScoreConfig, has_reward_model: bool) -> None:
             f"ScoreConfig.overlong_buffer ({cfg.overlong_buffer}) exceeds overlong_max_tokens "
             f"({cfg.overlong_max_tokens}): expected length L_max - L_buf would be negative"
         )
+    return specs
 
 
-def _verify(name: str, response: Any, answer: Any, pattern: str | None) -> dict:
-    """A verifier's outcome; anything it raises on a malformed row counts as a parse failure with reward 0."""
-    from posttrain_core.data.synthetic import VERIFIERS
-
-    try:
-        v = VERIFIERS[name](response, pattern if name == "regex" else answer)
-        reward = float(v["reward"])
-        if not math.isfinite(reward):
-            raise ValueError(f"non-finite reward {reward}")
-        return {"reward": reward, "correct": bool(v["correct"]), "parse_failed": bool(v["parse_failed"])}
-    except Exception as err:  # noqa: BLE001 - verifiers must never crash a stage
-        log.debug("verifier %s failed on %r: %s", name, response, err)
-        return {"reward": 0.0, "correct": False, "parse_failed": True}
+def reward_rows(table: pa.Table) -> list[dict]:
+    """What a reward function sees of each rollout row: prompt (messages), response, answer, meta (a dict)."""
+    n = table.num_rows
+    prompts = table.column("messages").to_pylist() if "messages" in table.column_names else [[]] * n
+    metas = table.column("meta").to_pylist() if "meta" in table.column_names else [None] * n
+    return [
+        {"prompt": p, "response": r, "answer": a, "meta": json.loads(m) if m else {}}
+        for p, r, a, m in zip(
+            prompts, table.column("response_text").to_pylist(), table.column("answer").to_pylist(), metas, strict=True
+        )
+    ]
 
 
-def score_rollouts(table: pa.Table, cfg: ScoreConfig, rm: RewardModelScores | None = None) -> pa.Table:
+def score_rollouts(
+    table: pa.Table, cfg: ScoreConfig, rm: RewardModelScores | None = None, scores: Scores | None = None
+) -> pa.Table:
     """Score a `rollouts` table; returns it as `scored_rollouts` (input columns kept, in the same row order).
 
-    Per row: each verifier of `cfg.verifiers` on (response_text, answer) (the regex verifier on (response_text,
-    cfg.regex)); the reward model's score if `rm` is given; DAPO overlong shaping on len(response_ids) if
+    Per row: each reward term of `cfg` on (prompt, response_text, answer, meta) (`rewards.functions.apply`, or the
+    precomputed `scores`); the reward model's score if `rm` is given; DAPO overlong shaping on len(response_ids) if
     `cfg.overlong_max_tokens` is set. Each is stored raw under its name in `reward_components`; `reward` is the
-    weighted sum (weights: `cfg.verifiers[name]`, `cfg.reward_model_weight`; the shaping term is added as is,
-    its scale being `cfg.overlong_penalty`).
-
-    `correct` is the outcome of the first answer verifier (exact_match / numeric) in `cfg.verifiers`, null when
-    there is none or the row has no answer; `parse_failed` is true when any verifier could not parse the response.
-    Malformed responses or answers never raise: they score 0 and count as parse failures.
+    weighted sum. `correct` is the first term's verifier outcome (null without one, or without an answer);
+    `parse_failed` is true when a verifier could not parse the response.
 
     Args:
         table: a `rollouts` table.
-        cfg: weights and shaping.
+        cfg: the terms, weights and shaping.
         rm: the reward model's scores, one per row in order, or a function (prompts, responses) -> scores that gets
             every row's `messages` (needs that column, which `run_rollout` keeps) and `response_text`.
-
-    Returns:
-        The `scored_rollouts` table.
+        scores: the reward terms already computed for these rows (the stage computes them on Ray tasks).
     """
     from posttrain_core.data.schemas import validate_table
 
-    check_score_config(cfg, rm is not None)
+    specs = check_score_config(cfg, rm is not None)
     table = validate_table(table, "rollouts", source="score_rollouts")
-    responses = table.column("response_text").to_pylist()
-    answers = table.column("answer").to_pylist()
     n = table.num_rows
-    components: list[dict[str, float]] = [{} for _ in range(n)]
-    rewards = [0.0] * n
-    correct: list[bool | None] = [None] * n
-    parse_failed = [False] * n
-    primary = next((v for v in cfg.verifiers if v in ANSWER_VERIFIERS), None)
-    for name, weight in cfg.verifiers.items():
-        for i in range(n):
-            v = _verify(name, responses[i], answers[i], cfg.regex)
-            components[i][name] = v["reward"]
-            rewards[i] += weight * v["reward"]
-            parse_failed[i] = parse_failed[i] or v["parse_failed"]
-            if name == primary and answers[i] is not None:
-                correct[i] = v["correct"]
+    if scores is None:
+        scores = apply(specs, reward_rows(table), cfg.reward_timeout_s)
+    components, rewards = scores.components, list(scores.reward)
     if rm is not None:
         if callable(rm):
             if "messages" not in table.column_names:
                 raise ValueError("score_rollouts: reward-model scoring needs the prompts' `messages` column")
-            scores = list(rm(table.column("messages").to_pylist(), responses))
+            rm_scores = list(rm(table.column("messages").to_pylist(), table.column("response_text").to_pylist()))
         else:
-            scores = list(rm)
-        if len(scores) != n:
-            raise ValueError(f"score_rollouts: {len(scores)} reward-model scores for {n} rollouts")
-        for i, s in enumerate(scores):
+            rm_scores = list(rm)
+        if len(rm_scores) != n:
+            raise ValueError(f"score_rollouts: {len(rm_scores)} reward-model scores for {n} rollouts")
+        for i, s in enumerate(rm_scores):
             s = float(s)
             if not math.isfinite(s):
                 raise ValueError(f"score_rollouts: row {i}: the reward model's score is {s}")
@@ -142,14 +126,15 @@ def score_rollouts(table: pa.Table, cfg: ScoreConfig, rm: RewardModelScores | No
             "reward_components",
             pa.array([list(c.items()) for c in components], pa.map_(pa.string(), pa.float32())),
         )
-        .append_column("correct", pa.array(correct, pa.bool_()))
-        .append_column("parse_failed", pa.array(parse_failed, pa.bool_()))
+        .append_column("correct", pa.array(scores.correct, pa.bool_()))
+        .append_column("parse_failed", pa.array(scores.parse_failed, pa.bool_()))
     )
     return validate_table(scored, "scored_rollouts", source="score_rollouts")
 
 
-def summarize_scores(scored: pa.Table) -> dict[str, float]:
-    """Manifest metrics: reward mean/std, accuracy, parse failures (count and rate), each component's mean."""
+def summarize_scores(scored: pa.Table, errors: dict[str, int] | None = None) -> dict[str, float]:
+    """Manifest metrics: reward mean/std, accuracy, parse failures (count and rate), each component's mean, and the
+    samples whose reward functions failed (`reward_errors`, and per function `reward_errors/<name>`)."""
     rewards = scored.column("reward").to_pylist()
     n = len(rewards)
     mean = sum(rewards) / n
@@ -162,7 +147,9 @@ def summarize_scores(scored: pa.Table) -> dict[str, float]:
         "reward_std": std,
         "parse_failures": float(failures),
         "parse_failure_rate": failures / n,
+        "reward_errors": float(sum((errors or {}).values())),
     }
+    metrics.update({f"reward_errors/{name}": float(k) for name, k in (errors or {}).items()})
     if outcomes:
         metrics["accuracy"] = sum(outcomes) / len(outcomes)
     sums: dict[str, float] = {}
@@ -171,6 +158,29 @@ def summarize_scores(scored: pa.Table) -> dict[str, float]:
             sums[name] = sums.get(name, 0.0) + value
     metrics.update({f"reward/{name}": total / n for name, total in sorted(sums.items())})
     return metrics
+
+
+def score_on_ray(specs: list[RewardSpec], rows: list[dict], cfg: ScoreConfig) -> Scores:
+    """`rewards.functions.apply` over `cfg.num_workers` Ray tasks (contiguous shards), merged in row order; the
+    tasks load every function again by its reference."""
+    import ray
+
+    from posttrain_core.cluster import connect, split
+
+    connect()
+    shards = split(list(range(len(rows))), cfg.num_workers)
+    task = ray.remote(num_cpus=1)(apply)
+    parts = ray.get([task.remote(specs, [rows[i] for i in shard], cfg.reward_timeout_s, shard[0]) for shard in shards])
+    out = Scores([], [], [], [], {})
+    for part in parts:
+        out.components += part.components
+        out.reward += part.reward
+        out.correct += part.correct
+        out.parse_failed += part.parse_failed
+        for name, k in part.errors.items():
+            out.errors[name] = out.errors.get(name, 0) + k
+        out.first_error = out.first_error or part.first_error
+    return out
 
 
 class RewardModelWorker:
@@ -249,12 +259,15 @@ def run_score(
 ) -> ArtifactRef:
     """Score a `rollouts` dataset (`score_rollouts`); publish a `scored_rollouts` dataset.
 
-    Verifiers and shaping run in the driver (cheap string and length checks); the reward model, if given, scores
-    on `cfg.num_workers` Ray actors in batches of `cfg.batch_size`. Manifest metrics: `summarize_scores`.
+    The reward functions and verifiers run on `cfg.num_workers` Ray tasks; the reward model, if given, scores on as
+    many Ray actors in batches of `cfg.batch_size`. A sample whose function raised, timed out
+    (`cfg.reward_timeout_s`) or returned no finite number scores 0 for that function and is counted
+    (`reward_errors`; the first traceback is logged with its row); a function that fails on every sample fails the
+    stage. Manifest metrics: `summarize_scores`. The key holds the source of every user reward function.
 
     Args:
-        cfg: weights, shaping and the reward-model actors.
-        rollouts: a `rollouts` dataset (from `run_rollout`: it keeps the prompts' `messages`, needed by an RM).
+        cfg: terms, weights, shaping and the workers.
+        rollouts: a `rollouts` dataset (from `run_rollout`: it keeps the prompts' `messages` and `meta`).
         store: the artifact store.
         reward_model: a reward model folder (from the reward-model stage), or None.
     """
@@ -263,7 +276,7 @@ def run_score(
 
     if rollouts.kind != "dataset" or rollouts.schema_kind != "rollouts":
         raise ValueError(f"{STAGE}: input must be a 'rollouts' dataset, got {rollouts.kind} '{rollouts.schema_kind}'")
-    check_score_config(cfg, reward_model is not None)
+    specs = check_score_config(cfg, reward_model is not None)
     if reward_model is not None:
         from posttrain_core.models.loading import check_model_path
 
@@ -278,20 +291,22 @@ def run_score(
 
     def build(ctx: StageContext) -> StageOutput:
         table = read_dataset(store.local_path(rollouts), "rollouts")
-        scores = None
-        if reward_model is not None:
-            scores = _ray_reward_scores(table, cfg, str(store.local_path(reward_model)))
-        scored = score_rollouts(table, cfg, rm=scores)
+        scores = score_on_ray(specs, reward_rows(table), cfg) if specs else None
+        if scores is not None and scores.errors:
+            log.warning("%s: reward functions failed on %s samples; the first: %s", STAGE, scores.errors,
+                        scores.first_error)  # fmt: skip
+            every = [name for name, k in scores.errors.items() if k == table.num_rows]
+            if every:
+                raise RuntimeError(f"{STAGE}: {every[0]!r} failed on every sample; the first: {scores.first_error}")
+        rm = _ray_reward_scores(table, cfg, str(store.local_path(reward_model))) if reward_model else None
+        scored = score_rollouts(table, cfg, rm=rm, scores=scores)
         write_dataset(scored, "scored_rollouts", ctx.outdir)
-        metrics = summarize_scores(scored)
+        metrics = summarize_scores(scored, scores.errors if scores else None)
         log.info(
-            "%s: %d samples, reward %.3f, accuracy %s, %d parse failures",
-            STAGE,
-            scored.num_rows,
-            metrics["reward_mean"],
-            f"{metrics['accuracy']:.3f}" if "accuracy" in metrics else "n/a",
-            int(metrics["parse_failures"]),
-        )
+            "%s: %d samples, reward %.3f, accuracy %s, %d parse failures, %d reward errors", STAGE, scored.num_rows,
+            metrics["reward_mean"], f"{metrics['accuracy']:.3f}" if "accuracy" in metrics else "n/a",
+            int(metrics["parse_failures"]), int(metrics["reward_errors"]),
+        )  # fmt: skip
         manifest = {"rollouts": rollouts.uri, "reward_model": reward_model.uri if reward_model else None}
         return StageOutput(manifest=manifest, metrics=metrics)
 

@@ -35,7 +35,8 @@ class RolloutWorker:
     """A Ray actor holding one engine (`hf` or `vllm`): load a policy, generate, take a policy's weights in memory.
 
     Besides the `rollouts` columns, `generate` keeps each prompt's `messages` (reward models re-render the chat
-    with their own template) and adds `_engine_seconds` for the stage's throughput metric. The rows record the
+    with their own template) and `meta` (reward functions read the prompt's other columns), and adds
+    `_engine_seconds` for the stage's throughput metric. The rows record the
     digest of the policy this actor serves, whatever the engine wrote.
     """
 
@@ -92,6 +93,8 @@ class RolloutWorker:
         row_of = {pid: i for i, pid in enumerate(batch.column("prompt_id").to_pylist())}
         index = pa.array([row_of[pid] for pid in out.column("prompt_id").to_pylist()], pa.int64())
         out = out.append_column("messages", batch.column("messages").take(index))
+        if "meta" in batch.column_names:  # the prompt's other columns, for reward functions
+            out = out.append_column("meta", batch.column("meta").take(index))
         return out.append_column(ENGINE_SECONDS, pa.array([seconds / max(n, 1)] * n, pa.float64()))
 
     def prefetch(self, weights: dict[str, Any], key: str, batches: list[pa.Table], params: SamplingSettings) -> bool:

@@ -205,7 +205,16 @@ def _launch(
 
 # ------------------------------------------------------------------------------------------------- the stages
 def check_rl_inputs(cfg: RLConfig, scored: list[ArtifactRef], policy: ArtifactRef, store: ArtifactStore) -> None:
+    from posttrain_core.algorithms.advantages import ADVANTAGES
+    from posttrain_core.algorithms.losses import POLICY_LOSSES
     from posttrain_core.models.loading import check_model_path
+
+    rcfg = cfg.resolved()
+    for field, registry in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES)):
+        try:
+            registry[getattr(rcfg, field)]
+        except ValueError as err:
+            raise ValueError(f"RLConfig.{field}: {err}") from None
 
     if not scored:
         raise ValueError(f"{STAGE}: no scored rollouts given")
