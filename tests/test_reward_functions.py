@@ -176,3 +176,21 @@ def test_a_module_reference_works_too(tmp_path, monkeypatch):
 
     out = score_rollouts(_rollouts(2), ScoreConfig(verifiers={}, reward_functions={"my_pkg.rewards:shouty": 1.0}))
     assert out.column("reward").to_pylist() == [0.5, 0.0]
+
+
+def test_a_reward_function_from_yaml_and_as_a_deployment_parameter(user_file, tmp_path):
+    """`posttrain run cfg.yaml` and a Prefect deployment's JSON parameters name the function the same way."""
+    from flows.cli import load_run_config
+    from posttrain_core.config import RLHFFlowConfig
+    from posttrain_core.rewards.score import check_score_config
+
+    path = tmp_path / "rl.yaml"
+    path.write_text(
+        f"flow: rlhf\nconfig:\n  data: {{prompts_path: prompts.jsonl}}\n"
+        f"  score: {{verifiers: {{}}, reward_functions: {{'{user_file}:graded': 1.0}}}}\n"
+        f"  eval: {{verifier: '{user_file}:graded'}}\n"
+    )
+    flow, config = load_run_config(str(path), ["score.reward_timeout_s=5"], str(tmp_path / "store"))
+    assert flow == "rlhf" and config.score.reward_functions == {f"{user_file}:graded": 1.0}
+    assert [s.label for s in check_score_config(config.score, has_reward_model=False)] == ["graded"]
+    assert RLHFFlowConfig.model_validate_json(config.model_dump_json()) == config  # as deployment parameters
