@@ -1,4 +1,4 @@
-"""`posttrain artifacts ...`: inspect and prune the artifact store (what the Prefect CLI does not do).
+"""`posttrain artifacts ...` and `posttrain models import`: the artifact store (what the Prefect CLI does not do).
 
 The `posttrain` console script is `flows.cli:main`, which adds `posttrain run` and hands the rest to `main` here.
 """
@@ -21,6 +21,7 @@ USAGE = """\
     posttrain artifacts show KEY                           an artifact's manifest (KEY: a key or a unique prefix)
     posttrain artifacts lineage KEY                        the chain of stages that produced an artifact
     posttrain artifacts sweep [--max-age-s S]              remove leftovers of crashed publishes and deletes
+    posttrain models import FILE.gguf                      publish a GGUF model as a model artifact (once per file)
     posttrain artifacts gc --keep-last N [--stage S] [--dry-run]
                                                            delete all but the N newest artifacts of each stage
                                                            (and their lineage)
@@ -180,6 +181,12 @@ def build_parser(
     gc.add_argument("--keep-last", type=_count, required=True, metavar="N", help="artifacts to keep per stage")
     gc.add_argument("--stage", help="prune only this stage (others are kept whole)")
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    models = add_subcommand(sub, "models", help="bring a model into the store")
+    macts = models.add_subparsers(dest="action", required=True)
+    imp = add_subcommand(
+        macts, "import", help="dequantise a .gguf file into a model artifact (a cache hit for bytes seen before)"
+    )
+    imp.add_argument("file", metavar="FILE.gguf")
     if more is not None:
         more(sub)
     return parser
@@ -195,8 +202,21 @@ def _count(text: str) -> int:
     return n
 
 
+def _models(args: argparse.Namespace) -> None:
+    from posttrain_core.models.gguf import import_gguf
+
+    store = ArtifactStore(args.store)
+    try:
+        ref = import_gguf(args.file, store)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"posttrain models import: {e}") from None
+    print(f"{ref.key}  {ref.uri}")
+    print(f"use it as model.path: {ref.uri}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    _artifacts(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    _models(args) if args.command == "models" else _artifacts(args)
     return 0
 
 

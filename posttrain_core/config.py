@@ -88,7 +88,9 @@ class ModelConfig(_Config):
     """The base model: any local Hugging Face folder, or a tiny random-init model built with its own tokenizer."""
 
     path: str | None = Field(
-        None, description="local Hugging Face model folder (full model or peft adapter). Empty: build a tiny model."
+        None,
+        description="local Hugging Face model folder (full model or peft adapter), or a .gguf file (imported once "
+        "as a float32 model artifact). Empty: build a tiny model.",
     )
     arch: Literal["llama", "qwen2"] = Field("llama", description="tiny model: architecture")
     size: Literal["tiny", "small"] = Field(

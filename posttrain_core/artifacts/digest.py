@@ -28,14 +28,27 @@ def content_digest(folder: str | os.PathLike, like: str | None = None) -> str:
         import blake3
 
         h, prefix = blake3.blake3(), DIGEST_PREFIX
+    _hash_files(h, content_files(Path(folder)))
+    return prefix + h.hexdigest()
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """The digest of one file's name and bytes (`blake3:<64 hex>`): what identifies an external file."""
+    import blake3
+
+    h = blake3.blake3()
+    _hash_files(h, [(Path(path).name, Path(path))])
+    return DIGEST_PREFIX + h.hexdigest()
+
+
+def _hash_files(h, files) -> None:  # noqa: ANN001 (a hashlib or blake3 object; (rel, path) pairs)
     buf = bytearray(1 << 22)
     view = memoryview(buf)
-    for rel, path in content_files(Path(folder)):
+    for rel, path in files:
         h.update(f"{rel}\0{path.stat().st_size}\0".encode())
         with open(path, "rb", buffering=0) as f:
             while n := f.readinto(buf):
                 h.update(view[:n])
-    return prefix + h.hexdigest()
 
 
 def fingerprint(path: Path) -> str:

@@ -35,7 +35,8 @@ class ArtifactRef(BaseModel):
     digest: str = Field(
         description="'blake3:<hex>' over the content files (sorted relative paths, sizes and bytes; manifest.json "
         "excluded), or a bare sha256 hex digest of the same for artifacts of older stores (still verified); "
-        "for external folders a sha256 fingerprint of (path, size, mtime)"
+        "for external folders a sha256 fingerprint of (path, size, mtime); for an external file 'blake3:<hex>' of its "
+        "name and bytes"
     )
     schema_kind: str | None = Field(
         None, description="datasets: prompts | sft | preferences | rollouts | scored_rollouts | eval | text"

@@ -20,7 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import ValidationError
 
 from posttrain_core.artifacts import local, remote
-from posttrain_core.artifacts.digest import fingerprint
+from posttrain_core.artifacts.digest import file_digest, fingerprint
 from posttrain_core.artifacts.manifest import STORE_FIELDS, read_manifest
 from posttrain_core.artifacts.ref import (
     EXTERNAL_PREFIX,
@@ -333,9 +333,10 @@ class ArtifactStore:
     ) -> ArtifactRef:
         """A ref on a user's existing folder (e.g. a Hugging Face model folder), used as an input without copying.
 
-        The digest is a fingerprint of (relative path, size, mtime_ns) of its files, not of their bytes: cheap for
-        multi-GB folders, but a content change that keeps both size and mtime goes undetected. Nothing is written
-        into the folder. A single file (e.g. a user's JSONL) is accepted too: its ref's URI is the file.
+        A folder's digest is a fingerprint of (relative path, size, mtime_ns) of its files, not of their bytes: cheap
+        for multi-GB folders, but a content change that keeps both size and mtime goes undetected. A single file (a
+        user's JSONL, a GGUF model) is digested by name and bytes: a copy elsewhere keys the same. Nothing is written
+        into the folder. Its ref's URI is the folder or file.
 
         Raises:
             FileNotFoundError: the path does not exist (names it).
@@ -346,7 +347,7 @@ class ArtifactStore:
         if not folder.exists():
             raise FileNotFoundError(f"external artifact folder {folder} does not exist")
         folder = folder.resolve()
-        digest = fingerprint(folder)
+        digest = file_digest(folder) if folder.is_file() else fingerprint(folder)
         return ArtifactRef(
             kind=kind, key=EXTERNAL_PREFIX + digest[:16], uri=str(folder), digest=digest, schema_kind=schema_kind
         )

@@ -1,4 +1,4 @@
-"""The build_model stage: the base model of a pipeline, either a user's Hugging Face folder or a tiny model.
+"""The build_model stage: the base model of a pipeline: a user's Hugging Face folder or GGUF file, or a tiny model.
 
 A user's folder is registered in place (fingerprinted, not copied). A tiny model gets a byte-level BPE tokenizer
 trained on the pipeline's text corpus, so the whole pipeline runs offline on models it makes itself.
@@ -21,12 +21,17 @@ def run_build_model(cfg: ModelConfig, corpus: ArtifactRef | None, store: Artifac
     """Return the base model artifact.
 
     Args:
-        cfg: `path` = a local HF model folder (validated, registered as an external artifact); else a tiny preset.
+        cfg: `path` = a local HF model folder (validated, registered as an external artifact), or a `.gguf` file
+            (imported once as a model artifact: `models.gguf`); else a tiny preset.
         corpus: a `text` dataset to train the tiny model's tokenizer on (unused with `path`).
         store: the artifact store.
     """
     from posttrain_core.models.loading import check_model_path
 
+    if cfg.path and cfg.path.lower().endswith(".gguf"):
+        from posttrain_core.models.gguf import import_gguf
+
+        return import_gguf(cfg.path, store)
     if cfg.path:
         info = check_model_path(cfg.path)
         log.info("%s: using %s (%s)", STAGE, cfg.path, info.get("model_type"))
