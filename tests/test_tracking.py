@@ -121,6 +121,16 @@ def test_stage_records_are_written_in_the_background_and_complete_after_flush():
     assert data.info.status == "FINISHED" and c.get_run(flow_id).info.status == "FINISHED"
 
 
+def test_metric_names_mlflow_refuses_are_written_under_a_valid_name(caplog):
+    """'pass@1' is a posttrain metric; MLflow refuses '@' in a name, which would lose the whole batch."""
+    with tracking.flow_run(None, "names-test", "flow"):
+        with tracking.stage_run(None, "evaluate", {}) as run:
+            run.log_metrics({"final/pass@1": 0.5, "final/accuracy": 0.25})
+    c = tracking.client()
+    assert c.get_run(run.run_id).data.metrics == {"final/pass_at_1": 0.5, "final/accuracy": 0.25}
+    assert "failed" not in caplog.text
+
+
 def test_a_stage_starts_without_waiting_for_the_writer_and_its_run_id_waits_for_the_creation():
     """The stage's run is created on the writer behind the earlier records: the stage's work starts at once."""
     import threading

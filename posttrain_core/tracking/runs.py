@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +24,14 @@ from posttrain_core.tracking.orphans import _owner_tags, end_orphaned_runs
 from posttrain_core.tracking.writer import _WRITER, _writer_client, client, flush
 
 log = logging.getLogger(__name__)
+
+_NOT_IN_NAMES = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def metric_name(key: str) -> str:
+    """MLflow's name for a posttrain metric: MLflow refuses '@' and most punctuation ('pass@1' -> 'pass_at_1')."""
+    return _NOT_IN_NAMES.sub("_", key.replace("@", "_at_"))
+
 
 _PARENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("posttrain_parent_run", default=None)
 _EXPERIMENT: contextvars.ContextVar[str] = contextvars.ContextVar("posttrain_experiment", default="posttrain")
@@ -112,7 +121,7 @@ class RunLogger:
         from mlflow.entities import Metric, RunTag
 
         ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, step or 0) for k, v in (metrics or {}).items() if v is not None]
+        items = [Metric(metric_name(k), float(v), ts, step or 0) for k, v in (metrics or {}).items() if v is not None]
         tag_items = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
         if items or tag_items:
             what = "log metrics" if not tag_items else "set tags" if not items else "log metrics and tags"
