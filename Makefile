@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: demo test test-fast server install vllm-env clean bench
+.PHONY: demo demo-real test test-fast server install vllm-env clean bench
 
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
@@ -27,6 +27,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m flows.rlhf
+
+# The same pipeline on a real pretrained model: GRPO with LoRA on SmolLM2-135M-Instruct (docs/real-model.md).
+demo-real: $(STAMP)
+	$(PY) -m flows.real
 
 # The vLLM rollout engine's own environment (same Python and ray; vLLM pins fastapi/transformers versions that
 # conflict with Prefect's). Engine actors run in it through Ray's runtime_env.

@@ -75,8 +75,8 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         evals[config.iterations] = _evaluate(config, data.eval, policy, config.iterations, root, pid, w)
 
         last = config.iterations
-        for when, i in (("before", 0), ("after", last)):  # MLflow names take no '@'
-            run.log_metrics({f"eval/{name.replace('@', '_at_')}_{when}": v for name, v in evals[i].items()})
+        for when, i in (("before", 0), ("after", last)):
+            run.log_metrics({f"eval/{name}_{when}": v for name, v in evals[i].items()})
         accuracy = {k: e["accuracy"] for k, e in evals.items()}
         png = reports.plot_curve(
             curve, accuracy, Path(root) / "reports" / f"rlhf-{pid}.png", f"{rl.algorithm}: reward per iteration"
@@ -181,8 +181,10 @@ def _summary(algorithm: str, policy, curve, evals: dict[int, dict], png, run_id:
     )
 
 
-if __name__ == "__main__":
-    result = rlhf_flow()
+def main(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # noqa: B008
+    """Run the flow and print the before/after held-out accuracy (the demos' entry point)."""
+    started = time.time()
+    result = rlhf_flow(config)
     before, after = result["eval"][0], result["eval"][max(result["eval"])]
     if "sampled_pass@1" in before:
         print(f"\nheld-out sampled accuracy (pass@1): start {before['sampled_pass@1']:.3f} -> after RL "
@@ -190,5 +192,11 @@ if __name__ == "__main__":
     print(
         f"held-out greedy accuracy: start {before['accuracy']:.3f} -> after RL {after['accuracy']:.3f}\n"
         f"final policy: {result['policy'].uri}\nreward curve: {result['curve_png']}\nMLflow parent run: "
-        f"{result['mlflow_run_id']} ({tracking.tracking_uri(result['store'])})"
+        f"{result['mlflow_run_id']} ({tracking.tracking_uri(result['store'])})\n"
+        f"wall time: {time.time() - started:.0f} s"
     )
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The real pretrained model through the pipeline: SmolLM2-135M-Instruct imported from its GGUF file, 3 LoRA SFT steps
+and 2 GRPO iterations continuing the same adapter on 2 Ray workers, with the hf engine; the saved adapter, loaded
+with plain peft on its base, gives the trainer's log-probs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def real_run(session_dir, prefect_api, ray_session):
+    from flows.real import real_config
+    from flows.rlhf import rlhf_flow
+    from posttrain_core.config import EvalConfig, LoraConfig, RolloutConfig, SFTConfig
+
+    store = session_dir / "real-model-store"
+    base = real_config()
+    config = base.model_copy(
+        update=dict(
+            store=str(store),
+            data=base.data.model_copy(update=dict(n_train=16, n_eval=4, n_rl_prompts=8)),
+            sft=SFTConfig(
+                max_steps=3, global_batch_size=4, micro_batch_size=2, num_workers=2, max_seq_len=64, lr=1e-4,
+                warmup_steps=0, log_every=1, checkpoint_every=0, lora=LoraConfig(r=8, alpha=16),
+            ),
+            iterations=2,
+            rollout=RolloutConfig(n=2, max_prompts=4, max_tokens=8, num_engines=1, batch_size=8),
+            rl=base.rl.model_copy(update=dict(lora=LoraConfig(r=8, alpha=16), micro_batch_size=4, mini_batches=1)),
+            eval=EvalConfig(verifier="numeric", max_new_tokens=8, num_engines=1),
+            eval_samples=0,
+        )
+    )  # fmt: skip
+    return config, rlhf_flow(config)
+
+
+def test_lora_sft_then_grpo_on_the_real_model(real_run):
+    from posttrain_core.artifacts import ArtifactStore
+
+    config, result = real_run
+    store = ArtifactStore(config.store)
+    start, policy = store.manifest(result["start"]), store.manifest(result["policy"])
+    assert start["stage"] == "sft" and start["adapter"] and start["objective"] == "sft"
+    assert len(start["loss_history"]) == 3 and all(math.isfinite(x) for x in start["loss_history"])
+    assert store.manifest(store.get(start["inputs"][1]["key"]))["stage"] == "import_gguf"  # the base: the GGUF's
+    updates = [store.manifest(r) for r in store.list() if r.kind == "model" and store.manifest(r)["stage"] == "rl_update"]
+    assert len(updates) == 2 and policy["adapter"]
+    for m in updates:  # each iteration trained on 8 samples with a finite loss
+        assert m["metrics"]["samples"] == 8 and math.isfinite(m["metrics"]["pg_loss"]), m["metrics"]
+
+
+def test_the_saved_adapter_loaded_with_peft_gives_the_trainers_log_probs(real_run):
+    """The last iteration's rows, scored by the final adapter twice: as the trainer computes log-probs (posttrain's
+    loader, right-padded batch, response-only logits) and as a user would (peft on the base the adapter names, one
+    unpadded row at a time)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from posttrain_core.algorithms.losses import token_logprobs
+    from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.models.loading import load_causal_lm, load_tokenizer
+    from posttrain_core.train.rl_batch import encode, load_batch, response_logits
+
+    config, result = real_run
+    store = ArtifactStore(config.store)
+    policy = result["policy"]
+    inputs = {i["name"]: store.get(i["key"]) for i in store.manifest(policy)["inputs"]}
+    scored = [ref for name, ref in inputs.items() if name.startswith("scored")]
+    batch, _ = load_batch(store, scored, inputs["policy"], config.rl.resolved())
+    rows = list(range(len(batch)))
+    pad_id = load_tokenizer(store.local_path(policy)).pad_token_id
+
+    trainer = load_causal_lm(store.local_path(policy))
+    ids, attn, pos, labels, mask = encode(batch, rows, pad_id)
+    with torch.no_grad():
+        ours = token_logprobs(response_logits(trainer.eval(), ids, attn, pos), labels)
+
+    adapter = Path(store.local_path(policy))
+    base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    users = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), adapter)
+    users.eval()
+    gaps = []
+    for b in rows:
+        seq = torch.tensor([batch.prompt_ids[b] + batch.response_ids[b]])
+        P, n = len(batch.prompt_ids[b]), len(batch.response_ids[b])
+        with torch.no_grad():
+            logp = torch.log_softmax(users(seq).logits[0, P - 1 : P - 1 + n].float(), -1)
+        theirs = logp.gather(1, torch.tensor(batch.response_ids[b])[:, None])[:, 0]
+        gaps.append((theirs - ours[b, :n]).abs().max().item())
+    assert max(gaps) < 1e-5, gaps
+    # The engine's log-probs of the same tokens (KV-cached generation) as the update reported them.
+    metrics = store.manifest(policy)["metrics"]
+    assert metrics["logp_mismatch_mean"] < 1e-4 and metrics["logp_mismatch_max"] < 1e-3, metrics
