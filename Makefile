@@ -53,7 +53,9 @@ clean:
 	rm -rf .posttrain
 
 # posttrain vs TRL side by side (bench/README.md): TRL goes into .venv-bench, layered on the main venv (nothing else
-# installed; torch and transformers stay). ~8 min on 2 idle cores (more under load); `make bench BENCH_ARGS=--quick` is a ~5 min smoke run.
+# installed; torch and transformers stay). Two tables: the tiny random-init model (the stack's rows, ~8 min on 2 idle
+# cores), then SmolLM2-135M-Instruct (full, LoRA and bf16 SFT, GRPO with LoRA, rollout; ~15 min).
 bench: $(STAMP)
 	bash bench/setup_venv.sh $(VENV) .venv-bench
 	.venv-bench/bin/python -m bench.trl_bench $(BENCH_ARGS)
+	.venv-bench/bin/python -m bench.trl_bench --model smollm2 $(BENCH_ARGS)

@@ -57,8 +57,15 @@ def settings(quick: bool, args) -> dict:
         # Same on both sides (TRL's own default is on; posttrain's is off): recomputing activations trades ~1/3
         # more compute for memory, so a comparison with it on one side only compares settings, not stacks.
         gradient_checkpointing=False,
+        grpo_lora=None,
+        sft_variants=[("full, fp32", {})],
+        stack_rows=True,  # SFT scaling and orchestration overhead (the tiny model's run only)
     )
-    if quick:
+    if getattr(args, "model", "tiny") == "smollm2":
+        from bench.real_model import SETTINGS
+
+        s.update(SETTINGS, stack_rows=False)
+    elif quick:
         s.update(
             preset="small", sft_steps=3, reps=1, grpo_iters=2, grpo_reps=1, grpo_large=None, rollout_rounds=1,
             rollout_prompts=16,
@@ -80,10 +87,17 @@ class Bench:
         from posttrain_core.data.io import write_dataset
 
         self.s, self.root = s, root
-        self.peak_samples: list[tuple[float, float]] = []  # (FLOP/s at the bench's threads, at 1 thread)
+        # dtype -> [(FLOP/s at the bench's threads, at 1 thread)]
+        self.peak_samples: dict[str, list[tuple[float, float]]] = {}
         self.store = ArtifactStore(root / "store")
-        self.model: ModelInfo = build_model(root / "model", s["preset"], max_len=512)
-        self.base = self.store.register_external(self.model.path, kind="model")
+        if s["preset"] == "smollm2":
+            from bench.real_model import import_smollm2
+
+            self.model: ModelInfo = import_smollm2(self.store)
+            self.base = self.store.get(Path(self.model.path).name)
+        else:
+            self.model = build_model(root / "model", s["preset"], max_len=512)
+            self.base = self.store.register_external(self.model.path, kind="model")
         # The SFT data of the comparison: sft_steps global batches (one epoch); the scaling runs use 1x/4x/16x.
         self.datasets: dict[int, tuple] = {}
         for n in sorted({s["sft_steps"] * s["global_batch"], *(s["scaling_base"] * k for k in s["scaling_sizes"])}):
@@ -94,9 +108,10 @@ class Bench:
             self.datasets[n] = (ref, tokenized(self.model.path, chats, s["seq_len"]))
 
     # ------------------------------------------------------------------------------------------------ SFT
-    def sft_cfg(self, n_examples: int, workers: int, rep: int):
-        from posttrain_core.config import SFTConfig
+    def sft_cfg(self, n_examples: int, workers: int, rep: int, variant: dict | None = None):
+        from posttrain_core.config import LoraConfig, SFTConfig
 
+        variant = variant or {}
         s = self.s
         return SFTConfig(
             num_workers=workers,
@@ -111,14 +126,16 @@ class Bench:
             log_every=10**6,
             gradient_checkpointing=s["gradient_checkpointing"],
             keep_checkpoints=rep + 1,  # unused with checkpoint_every=0: only makes every repetition a fresh stage key
+            lora=LoraConfig(**variant["lora"]) if variant.get("lora") else None,
+            dtype=variant.get("dtype", "float32"),
         )
 
-    def posttrain_sft(self, n_examples: int, workers: int, rep: int) -> dict:
+    def posttrain_sft(self, n_examples: int, workers: int, rep: int, variant: dict | None = None) -> dict:
         from posttrain_core.train.sft import run_sft
 
         ref, _ = self.datasets[n_examples]
         with Timer() as t:
-            out = run_sft(self.sft_cfg(n_examples, workers, rep), ref, self.base, self.store)
+            out = run_sft(self.sft_cfg(n_examples, workers, rep, variant), ref, self.base, self.store)
         m = self.store.manifest(out)
         return {"step_seconds": m["step_seconds"], "wall_s": t.seconds, "peak_rss_mb": m["metrics"]["peak_rss_mb"]}
 
@@ -130,7 +147,7 @@ class Bench:
         steps = n_examples // self.s["global_batch"]
         return [sum(len(ex[i][0]) for i in global_batch(k, len(ex), self.s["global_batch"], 0)) for k in range(steps)]
 
-    def trl_sft(self, n_examples: int, workers: int, rep: int) -> dict:
+    def trl_sft(self, n_examples: int, workers: int, rep: int, variant: dict | None = None) -> dict:
         from posttrain_core.train.loop import global_batch
 
         s = self.s
@@ -146,7 +163,8 @@ class Bench:
         spec = dict(
             mode="sft", model=self.model.path, data=str(work / "data.json"), workdir=str(work / "out"), steps=steps,
             per_device_batch=s["global_batch"] // workers, lr=s["lr"], max_len=s["seq_len"], seed=rep,
-            gradient_checkpointing=s["gradient_checkpointing"],
+            gradient_checkpointing=s["gradient_checkpointing"], lora=(variant or {}).get("lora"),
+            bf16=(variant or {}).get("dtype") == "bfloat16",
             threads=max(1, s["threads"] // workers), out=str(work / "result.json"),
         )  # fmt: skip
         write_json(work / "spec.json", spec)
@@ -164,16 +182,16 @@ class Bench:
             workers > 1) else [out["peak_rss_mb"]]  # fmt: skip
         return {"step_seconds": out["step_seconds"], "wall_s": t.seconds, "peak_rss_mb": max(rss)}
 
-    def sft_compare(self, workers: int) -> dict:
+    def sft_compare(self, workers: int, variant: dict | None = None) -> dict:
         n = self.s["sft_steps"] * self.s["global_batch"]
         tokens = self.step_tokens(n)
         runs: dict[str, list[dict]] = {"posttrain": [], "trl": []}
         for rep in range(self.s["reps"]):
             if workers == 1:  # the machine's matmul FLOP/s, sampled next to every repetition (load varies)
-                self.peak_samples.append((self.matmul_flops(self.s["threads"]), self.matmul_flops(1)))
+                self.sample_peak((variant or {}).get("dtype", "float32"))
             contenders = [("posttrain", self.posttrain_sft), ("trl", self.trl_sft)]
             for name, fn in _in_turn(contenders, rep):
-                r = fn(n, workers, rep)
+                r = fn(n, workers, rep, variant)
                 r["tokens_per_s"] = sum(tokens[1:]) / sum(r["step_seconds"][1:])
                 runs[name].append(r)
                 _log(f"sft {workers}w rep {rep} {name}: {r['tokens_per_s']:.0f} tok/s, wall {r['wall_s']:.1f}s")
@@ -215,7 +233,7 @@ class Bench:
                      "temperature": 1.0, "num_engines": 2, "batch_size": g["prompts"]},
             rl={"algorithm": "grpo", "num_workers": 2, "mini_batches": 1, "ppo_epochs": 1, "seed": rep,
                 "micro_batch_size": g["prompts"] * g["n"], "kl_coef": s["kl_coef"], "lr": 5e-4,
-                "gradient_checkpointing": s["gradient_checkpointing"]},
+                "gradient_checkpointing": s["gradient_checkpointing"], "lora": s["grpo_lora"]},
             eval={"max_prompts": 4, "max_new_tokens": 8, "num_engines": 1},
             eval_samples=0,
         )  # fmt: skip
@@ -245,7 +263,7 @@ class Bench:
             mode="grpo", model=self.model.path, data=str(work / "data.json"), workdir=str(work / "out"),
             steps=g["iters"], prompts=g["prompts"], n=g["n"], max_tokens=g["max_tokens"],
             temperature=1.0, kl_coef=s["kl_coef"], lr=5e-4, seed=rep, threads=s["threads"],
-            gradient_checkpointing=s["gradient_checkpointing"],
+            gradient_checkpointing=s["gradient_checkpointing"], lora=s["grpo_lora"],
             out=str(work / "result.json"),
         )  # fmt: skip
         write_json(work / "spec.json", spec)
@@ -333,14 +351,15 @@ class Bench:
         return {name: {"tokens_per_s": median(x), "rounds": x} for name, x in rates.items()}
 
     # ------------------------------------------------------------------------------------------------- MFU
-    def matmul_flops(self, threads: int) -> float:
-        """Dense fp32 matmul FLOP/s of this machine at `threads` torch threads: best of square 1024/2048 products."""
+    def matmul_flops(self, threads: int, dtype: str = "float32") -> float:
+        """Dense matmul FLOP/s of this machine in `dtype` at `threads` torch threads: best of square 1024/2048
+        products."""
         import torch
 
         torch.set_num_threads(threads)
         best = 0.0
         for n in (1024, 2048):
-            a, b = torch.randn(n, n), torch.randn(n, n)
+            a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
             for _ in range(2):
                 a @ b
             times = []
@@ -352,8 +371,34 @@ class Bench:
         torch.set_num_threads(self.s["threads"])
         return best
 
-    def model_flops_per_step(self, n_examples: int) -> list[float]:
-        """Training FLOPs of every step: 6 x params x tokens + attention 12 x layers x q-width x sum(len^2)."""
+    def sample_peak(self, dtype: str) -> None:
+        self.peak_samples.setdefault(dtype, []).append(
+            (self.matmul_flops(self.s["threads"], dtype), self.matmul_flops(1, dtype))
+        )
+
+    def peak(self, dtype: str) -> dict:
+        """The machine's dense peak in `dtype`: the larger of the best multi-threaded sample and threads x the best
+        1-thread one (other jobs slow the multi-threaded matmul far more than the single-threaded one)."""
+        samples = self.peak_samples[dtype]
+        at_threads, one = max(x for x, _ in samples), max(y for _, y in samples)
+        return {"peak_flops": max(at_threads, self.s["threads"] * one), "at_threads": at_threads, "one_thread": one}
+
+    def mfu(self, compare: dict, variant: dict) -> dict:
+        """Model FLOP/s over the dtype's peak, per contender (median over repetitions)."""
+        from bench.real_model import flops_per_token_factor
+
+        n = self.s["sft_steps"] * self.s["global_batch"]
+        flops = self.model_flops_per_step(n, flops_per_token_factor(variant))
+        peak = self.peak(variant.get("dtype", "float32"))
+        out = dict(peak, dtype=variant.get("dtype", "float32"))
+        for name in ("posttrain", "trl"):
+            per_rep = [sum(flops[1:]) / sum(r["step_seconds"][1:]) / peak["peak_flops"] for r in compare[name]["runs"]]
+            out[name] = median(per_rep)
+        return out
+
+    def model_flops_per_step(self, n_examples: int, per_token: int = 6) -> list[float]:
+        """Training FLOPs of every step: per_token (6; 4 for LoRA) x params x tokens + attention 12 x layers x
+        q-width x sum(len^2)."""
         from posttrain_core.train.loop import global_batch
 
         m, s = self.model, self.s
@@ -362,7 +407,8 @@ class Bench:
         for k in range(n_examples // s["global_batch"]):
             lens = [len(ex[i][0]) for i in global_batch(k, len(ex), s["global_batch"], 0)]
             out.append(
-                6 * m.params * sum(lens) + 12 * m.num_layers * m.num_heads * m.head_dim * sum(x * x for x in lens)
+                per_token * m.params * sum(lens)
+                + 12 * m.num_layers * m.num_heads * m.head_dim * sum(x * x for x in lens)
             )
         return out
 
@@ -453,6 +499,8 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
     if sft2:
         row("SFT train tokens/s, 2 Ray workers vs 2 procs", sft2["posttrain"]["tokens_per_s"],
             sft2["trl"]["tokens_per_s"])  # fmt: skip
+    for label, cmp in list(res.get("sft_variants", {}).items())[1:]:
+        row(f"SFT train tokens/s, {label}, 1 worker", cmp["posttrain"]["tokens_per_s"], cmp["trl"]["tokens_per_s"])
     row("SFT run wall s, 1 worker (cold start->trained)", sft1["posttrain"]["wall_s"], sft1["trl"]["wall_s"], False,
         "{:,.1f}")  # fmt: skip
     g = res["grpo"]
@@ -474,15 +522,21 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         row("peak RSS MiB, SFT per rank, 2 workers", sft2["posttrain"]["peak_rss_mb"], sft2["trl"]["peak_rss_mb"],
             False)  # fmt: skip
     row("peak RSS MiB, GRPO training process", g["posttrain"]["peak_rss_mb"], g["trl"]["peak_rss_mb"], False)
-    mfu = res["mfu"]
-    row("SFT MFU, 1 worker (model FLOP/s / matmul FLOP/s)", mfu["posttrain"], mfu["trl"], True, "{:.1%}")
+    for label, m_ in res["mfu_variants"].items():
+        row(f"SFT MFU, {label}, 1 worker (of the {m_['dtype']} peak)", m_["posttrain"], m_["trl"], True, "{:.1%}")
 
     w = max(len(x[0]) for x in rows)
+    what = (
+        "SmolLM2-135M-Instruct (pretrained; posttrain's GGUF import, float32 weights)"
+        if s["preset"] == "smollm2"
+        else f"random-init Llama ({s['preset']})"
+    )
     lines = [
         "posttrain vs TRL " + res["trl_version"] + ", side by side in one run (ratio > 1.0: posttrain is better)",
-        f"model: random-init Llama ({s['preset']}), {m.params / 1e6:.2f}M params, hidden {m.hidden_size}, "
+        f"model: {what}, {m.params / 1e6:.2f}M params, hidden {m.hidden_size}, "
         f"{m.num_layers} layers, {m.num_heads} heads ({m.num_kv_heads} KV), head_dim {m.head_dim}, "
-        f"MLP {m.intermediate_size}, vocab {m.vocab_size}; fp32 on CPU; gradient checkpointing "
+        f"MLP {m.intermediate_size}, vocab {m.vocab_size}; fp32 on CPU unless a row says bf16 (autocast on both "
+        f"sides, fp32 weights and optimizer state); gradient checkpointing "
         f"{'on' if s['gradient_checkpointing'] else 'off'} on both sides; torch {res['torch_version']}, "
         f"transformers {res['transformers_version']}",
         f"SFT: synthetic chats, seq len <= {s['seq_len']} (mean {res['mean_len']:.0f} tokens, "
@@ -492,7 +546,8 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         f"medians of {s['reps']} repetitions, contenders alternating",
         f"GRPO: {s['grpo_prompts']} prompts x group {s['grpo_n']}, max_tokens {s['grpo_max_tokens']}, temperature 1, "
         f"kl {s['kl_coef']} (k3, in the loss), 1 optimizer step per step, {s['grpo_iters']} steps per run, "
-        f"{s['grpo_reps']} runs each, alternating (median of steps 2..N of all runs); "
+        + (f"LoRA r={s['grpo_lora']['r']} on both sides (reference = adapter disabled), " if s["grpo_lora"] else "")
+        + f"{s['grpo_reps']} runs each, alternating (median of steps 2..N of all runs); "
         f"posttrain: rlhf_flow (2 hf engine actors + 2 DDP update workers, 1 thread each), TRL: GRPOTrainer in "
         f"1 process, {s['threads']} threads",
         f"rollout: {s['rollout_prompts']} prompts x n={s['rollout_n']}, max_tokens {s['rollout_max_tokens']}, "
@@ -512,12 +567,18 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
         lines.append(f"(2-worker SFT skipped: {res.get('sft2_skipped', 'not run')})")
     if "vllm_skipped" in r:
         lines.append(f"(vLLM rollout row skipped: {r['vllm_skipped']})")
+    peaks = {m_["dtype"]: m_ for m_ in res["mfu_variants"].values()}
     lines += [
         "",
-        f"MFU: machine dense fp32 matmul peak {mfu['peak_flops'] / 1e9:.1f} GFLOP/s = max(best at {s['threads']} "
-        f"threads {mfu['at_threads'] / 1e9:.1f}, {s['threads']} x best at 1 thread {mfu['one_thread'] / 1e9:.1f}); "
-        f"square 1024/2048 fp32 products sampled next to every SFT repetition in this run; model FLOP/s = "
-        f"(6 x params x tokens + 12 x layers x heads x head_dim x sum(len^2)) / step time",
+        "MFU: machine dense matmul peak "
+        + "; ".join(
+            f"{dt} {p['peak_flops'] / 1e9:.1f} GFLOP/s = max(best at {s['threads']} threads {p['at_threads'] / 1e9:.1f}, "
+            f"{s['threads']} x best at 1 thread {p['one_thread'] / 1e9:.1f})"
+            for dt, p in peaks.items()
+        )
+        + "; square 1024/2048 products sampled next to every SFT repetition in this run; model FLOP/s = (6 x params "
+        "x tokens (4 with LoRA: no weight gradients for the frozen base) + 12 x layers x heads x head_dim x "
+        "sum(len^2)) / step time",
     ]
     parts = ("generate_s", "score_s", "train_s", "startup_s", "orchestration_s")
     for label, res_g in (("GRPO", g), ("GRPO large", gl)):
@@ -528,16 +589,17 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
                 f"posttrain {label} iteration (median s, steps 2..N): "
                 + ", ".join(f"{p[:-2]} {med[p]:.2f}" for p in parts)
             )  # fmt: skip
-    sc = res["scaling"]
-    lines += ["", "SFT scaling (posttrain stage wall s, cold worker start to published model)",
+    sc = res.get("scaling")
+    lines += [] if sc is None else ["", "SFT scaling (posttrain stage wall s, cold worker start to published model)",
               "| dataset | examples | steps | " + " | ".join(f"{w} worker{'s' if w > 1 else ''}" for w in
                                                              s["scaling_workers"]) + " |"]  # fmt: skip
-    for k in s["scaling_sizes"]:
+    for k in s["scaling_sizes"] if sc else ():
         n = s["scaling_base"] * k
         cells = " | ".join(f"{sc[(k, w)]:.1f}" for w in s["scaling_workers"])
         lines.append(f"| {k}x | {n} | {n // s['global_batch']} | {cells} |")
-    o = res["overhead"]
-    lines += ["", f"per-stage orchestration overhead (median of {s['overhead_reps']}, seconds)"]
+    o = res.get("overhead", {})
+    if o:
+        lines += ["", f"per-stage orchestration overhead (median of {s['overhead_reps']}, seconds)"]
     for label, v in o.items():
         lines.append(f"| {label} | {v:.3f} |")
     la = res.get("load", {})
@@ -552,6 +614,10 @@ def report(s: dict, b: Bench, res: dict, total_s: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model", choices=["tiny", "smollm2"], default="tiny",
+        help="tiny: a random-init Llama (the stack's rows); smollm2: the real SmolLM2-135M-Instruct (bench/real_model.py)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="smoke run: small model, 1 repetition, fewer steps")
     p.add_argument("--reps", type=int, default=None, help="repetitions of each SFT comparison")
     p.add_argument("--sft-steps", dest="sft_steps", type=int, default=None)
@@ -598,23 +664,18 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as err:  # noqa: BLE001 - reported in the table, the rest still runs
                 res["sft2_skipped"] = f"{type(err).__name__}: {str(err)[:300]}"
                 _log(f"2-worker SFT failed: {res['sft2_skipped']}")
-        b.peak_samples.append((b.matmul_flops(s["threads"]), b.matmul_flops(1)))
-        at_threads = max(x for x, _ in b.peak_samples)
-        one = max(y for _, y in b.peak_samples)
-        # Other jobs on the machine slow the multi-threaded matmul far more than the single-threaded one: the
-        # machine's dense peak is the larger of the best multi-threaded sample and threads x the best 1-thread one.
-        peak = max(at_threads, s["threads"] * one)
-        flops = b.model_flops_per_step(n_cmp)
-        res["mfu"] = {"peak_flops": peak, "at_threads": at_threads, "one_thread": one}
-        for name in ("posttrain", "trl"):
-            per_rep = [sum(flops[1:]) / sum(r["step_seconds"][1:]) / peak for r in res["sft1"][name]["runs"]]
-            res["mfu"][name] = median(per_rep)
+        res["sft_variants"] = {s["sft_variants"][0][0]: res["sft1"]}
+        for label, variant in s["sft_variants"][1:]:
+            res["sft_variants"][label] = b.sft_compare(1, variant)
+        b.sample_peak("float32")
+        res["mfu_variants"] = {label: b.mfu(res["sft_variants"][label], v) for label, v in s["sft_variants"]}
         res["rollout"] = b.rollout_compare()
         res["grpo"] = b.grpo_compare()
         if s["grpo_large"]:
             res["grpo_large"] = b.grpo_compare(large=True)
-        res["scaling"] = b.scaling(res["sft1"], res.get("sft2"))
-        res["overhead"] = b.overhead()
+        if s["stack_rows"]:
+            res["scaling"] = b.scaling(res["sft1"], res.get("sft2"))
+            res["overhead"] = b.overhead()
         res["load"]["end"] = os.getloadavg()[0]
         text = report(s, b, res, time.time() - started)
         print("\n" + text, flush=True)

@@ -29,6 +29,22 @@ def _optimizer_args(spec: dict) -> dict:
     )
 
 
+def _peft_config(spec: dict):
+    """LoRA adapters as posttrain builds them from the same settings (its LoraConfig defaults: the attention
+    projections), or None for full training."""
+    if not spec.get("lora"):
+        return None
+    from peft import LoraConfig
+
+    from posttrain_core.config import LoraConfig as Ours
+
+    ours = Ours(**spec["lora"])
+    return LoraConfig(
+        r=ours.r, lora_alpha=ours.alpha, lora_dropout=ours.dropout, target_modules=ours.target_modules,
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+
+
 def _threads(spec: dict) -> None:
     import torch
 
@@ -88,7 +104,7 @@ def run_sft(spec: dict) -> dict:
         eval_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=bool(spec.get("bf16")),  # on CPU: torch.autocast(bfloat16), fp32 weights, as posttrain's dtype field
         fp16=False,
         dataloader_num_workers=0,
         disable_tqdm=True,
@@ -97,8 +113,9 @@ def run_sft(spec: dict) -> dict:
     )
     clock = _StepClock()
     trainer = InOrderSFTTrainer(
-        model=model, args=args, train_dataset=ds, processing_class=tokenizer, callbacks=[clock.callback]
-    )
+        model=model, args=args, train_dataset=ds, processing_class=tokenizer, callbacks=[clock.callback],
+        peft_config=_peft_config(spec),
+    )  # fmt: skip
     t0 = time.perf_counter()
     trainer.train()
     return {"step_seconds": clock.step_seconds(), "train_s": time.perf_counter() - t0}
@@ -155,6 +172,7 @@ def run_grpo(spec: dict) -> dict:
         train_dataset=ds,
         processing_class=tokenizer,
         callbacks=[clock.callback],
+        peft_config=_peft_config(spec),
     )
     t0 = time.perf_counter()
     trainer.train()
