@@ -254,6 +254,22 @@ class RolloutConfig(_Config):
     vllm_python: str | None = Field(
         None, description="python of the vLLM environment (default: $POSTTRAIN_VLLM_PYTHON or .venv-vllm/bin/python)"
     )
+    tools: list[str] = Field(
+        default_factory=list, json_schema_extra=USER_CODE,
+        description="tools the policy may call over several turns: functions with type hints and a Google-style "
+        "docstring, as 'package.module:fn' or 'path/to/file.py:fn' (empty: one turn; docs/tools.md)",
+    )  # fmt: skip
+    tool_parser: Literal["hermes", "compact"] = Field(
+        "hermes", description="how calls are written: hermes <tool_call>{json}</tool_call>; compact <tool_call>name "
+        "arg ...</tool_call> (tiny models)",
+    )  # fmt: skip
+    max_turns: int = Field(4, ge=1, description="tools: most assistant turns of a trajectory")
+    max_tool_calls_per_turn: int = Field(1, ge=1, description="tools: calls run per assistant turn (the first N)")
+    tool_timeout_s: float = Field(10.0, gt=0, description="tools: a call's deadline; past it the model sees an error")
+    max_tool_response_tokens: int = Field(64, ge=1, description="tools: a result is cut to this many tokens")
+    max_total_tokens: int = Field(
+        256, ge=1, description="tools: most response tokens of a trajectory (assistant and tool turns together)"
+    )
 
 
 class ScoreConfig(_Config):

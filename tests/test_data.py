@@ -41,6 +41,9 @@ ROLLOUT = {
     "answer": ["82", None],
     "response_mask": [[1, 0, 1], None],
     "turns": [None, json.dumps([{"role": "assistant", "start": 0}])],
+    "num_turns": [1, 1],
+    "num_tool_calls": [0, 0],
+    "tool_errors": [0, 0],
 }
 
 GOOD = {

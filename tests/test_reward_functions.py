@@ -69,6 +69,9 @@ def _rollouts(n: int = 8) -> pa.Table:
             "answer": ["42"] * n,
             "response_mask": pa.nulls(n, pa.list_(pa.int8())),
             "turns": pa.nulls(n, pa.string()),
+            "num_turns": [1] * n,
+            "num_tool_calls": [0] * n,
+            "tool_errors": [0] * n,
             "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(n)],
             "meta": [json.dumps({"row": i, "topic": "maths"}) for i in range(n)],
         }

@@ -33,6 +33,9 @@ def rollouts(responses: list[str], answers: list[str | None], lengths: list[int]
                 "answer": answers,
                 "response_mask": [None] * n,
                 "turns": [None] * n,
+                "num_turns": [1] * n,
+                "num_tool_calls": [0] * n,
+                "tool_errors": [0] * n,
                 "messages": [USER] * n,
             }
         ),

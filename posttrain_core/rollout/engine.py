@@ -12,9 +12,12 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from posttrain_core.data.schemas import SCHEMAS
+from posttrain_core.rollout.multiturn import ToolSettings
 
 # The columns every engine returns, in the rollouts schema's order (declared once, in data/schemas.py).
 ROLLOUT_COLUMNS: tuple[str, ...] = tuple(SCHEMAS["rollouts"].names)
+# The multi-turn columns of a single-turn sample.
+SINGLE_TURN = {"response_mask": None, "turns": None, "num_turns": 1, "num_tool_calls": 0, "tool_errors": 0}
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class SamplingSettings:
     max_tokens: int = 32
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0
+    tools: ToolSettings | None = None  # multi-turn with tool calls (`rollout.multiturn`); None: one turn
 
 
 class Engine(Protocol):

@@ -6,6 +6,7 @@ returned log-probs are exactly the trainer's (the raw model distribution); see `
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import warnings
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
-from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SamplingSettings
+from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SINGLE_TURN, SamplingSettings
 
 # The stable ids of one sample's random stream: (sampling seed, prompt_id, sample_index).
 _SEED_MASK = (1 << 63) - 1
@@ -177,14 +178,23 @@ class HFEngine:
         answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(prompt_ids)
         encoded = [tokenize_prompt(self.tokenizer, m) for m in prompts.column("messages").to_pylist()]
         longest = max(len(x) for x in encoded)
-        if self.max_context and longest + params.max_tokens > self.max_context:
+        budget = params.tools.max_total_tokens if params.tools else params.max_tokens
+        if self.max_context and longest + budget > self.max_context:
             raise ValueError(
-                f"HFEngine: longest prompt ({longest} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context (max_position_embeddings={self.max_context})"
+                f"HFEngine: longest prompt ({longest} tokens) + {'tools.max_total_tokens' if params.tools else 'max_tokens'}"
+                f" ({budget}) exceeds the model's context (max_position_embeddings={self.max_context})"
             )
+        started = time.perf_counter()
+        if params.tools is not None:
+            from posttrain_core.rollout.multiturn import generate_rows
+
+            def turn(contexts: list[list[int]], seeds: list[int], max_tokens: int) -> list[dict]:
+                return self._decode(contexts, seeds, dataclasses.replace(params, max_tokens=max_tokens))
+
+            results = generate_rows(turn, self.tokenizer, prompts, params, self.policy_digest)
+            return self._table(results, started)
         samples = [_Sample(row, k, encoded[row]) for row in range(len(encoded)) for k in range(params.n)]
         results: list[dict] = []
-        started = time.perf_counter()
         for start in range(0, len(samples), self.max_batch_size):
             chunk = samples[start : start + self.max_batch_size]
             seeds = [sample_seed(params.seed, prompt_ids[s.row], s.sample_index) for s in chunk]
@@ -196,11 +206,15 @@ class HFEngine:
                         "prompt_ids": s.prompt_ids,
                         "answer": answers[s.row],
                         "policy_digest": self.policy_digest,
-                        "response_mask": None,
-                        "turns": None,
+                        **SINGLE_TURN,
                         **out,
                     }
                 )
+        return self._table(results, started)
+
+    def _table(self, results: list[dict], started: float) -> pa.Table:
+        from posttrain_core.data.schemas import validate_table
+
         self.last_stats = {
             "tokens": sum(len(r["response_ids"]) for r in results),
             "seconds": time.perf_counter() - started,

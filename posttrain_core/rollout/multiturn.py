@@ -209,3 +209,29 @@ def row(t: Trajectory) -> dict:
         "num_tool_calls": len(tools),
         "tool_errors": sum(1 for s in tools if s["status"] != "ok"),
     }
+
+
+def generate_rows(generate: TokenGenerate, tokenizer: Any, prompts: Any, params: Any, policy_digest: str) -> list[dict]:
+    """`params.n` trajectories of every prompt row (a `prompts` table) as `rollouts` rows, for an engine whose
+    token-level sampler is `generate`. Turn 0 of a sample draws the stream a single-turn sample would; turn k > 0
+    its own, so the same seed gives the same trajectories."""
+    from posttrain_core.rollout.hf_engine import sample_seed
+
+    settings: ToolSettings = params.tools
+    toolbox = ToolBox(settings.tools)
+    delta = TemplateDelta(tokenizer, toolbox.schemas)
+    ids = prompts.column("prompt_id").to_pylist()
+    answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(ids)
+    encoded = [delta.prompt_ids(m) for m in prompts.column("messages").to_pylist()]
+    trajectories = [Trajectory(pid, k, encoded[i]) for i, pid in enumerate(ids) for k in range(params.n)]
+
+    def seed(t: Trajectory, turn: int) -> int:
+        return sample_seed(params.seed, t.prompt_id if turn == 0 else f"{t.prompt_id}\x1eturn{turn}", t.sample_index)
+
+    run(generate, tokenizer, trajectories, seed, params.max_tokens, settings, toolbox)
+    answer_of = dict(zip(ids, answers, strict=True))
+    return [
+        {"prompt_id": t.prompt_id, "sample_index": t.sample_index, "prompt_ids": t.prompt_ids,
+         "answer": answer_of[t.prompt_id], "policy_digest": policy_digest, **row(t)}
+        for t in trajectories
+    ]  # fmt: skip

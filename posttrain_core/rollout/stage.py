@@ -14,9 +14,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from posttrain_core.cluster import WarmGroup
+from posttrain_core.plugins import absolute
 from posttrain_core.rollout.engine import SamplingSettings
+from posttrain_core.rollout.multiturn import ToolSettings
 from posttrain_core.rollout.pool import EnginePool, EngineSpec
 from posttrain_core.rollout.prompts import check_context, engine_batches, select_prompts
+from posttrain_core.rollout.tools import ToolBox
 from posttrain_core.rollout.worker import ENGINE_SECONDS
 
 if TYPE_CHECKING:
@@ -30,9 +33,16 @@ STAGE = "rollout"
 
 def sampling_settings(cfg: RolloutConfig) -> SamplingSettings:
     """The plain, picklable sampling parameters of a rollout config."""
+    tools = None
+    if cfg.tools:  # engine actors load the tools again by these references: file paths made absolute
+        tools = ToolSettings(
+            tools=tuple(absolute(ref) for ref in cfg.tools), parser=cfg.tool_parser, max_turns=cfg.max_turns,
+            max_tool_calls_per_turn=cfg.max_tool_calls_per_turn, tool_timeout_s=cfg.tool_timeout_s,
+            max_tool_response_tokens=cfg.max_tool_response_tokens, max_total_tokens=cfg.max_total_tokens,
+        )  # fmt: skip
     return SamplingSettings(
         n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, stop=tuple(cfg.stop),
-        seed=cfg.seed,
+        seed=cfg.seed, tools=tools,
     )  # fmt: skip
 
 
@@ -58,7 +68,11 @@ def check_rollout_inputs(
     policy_path = store.local_path(policy)
     info = check_model_path(policy_path)
     table = select_prompts(cfg, prompts, store, STAGE)
-    check_context(policy_path, info, table, cfg.max_tokens, "RolloutConfig.max_tokens", STAGE)
+    if cfg.tools:
+        ToolBox(tuple(cfg.tools), "RolloutConfig.tools")  # every tool loads and has a schema, before any Ray work
+        check_context(policy_path, info, table, cfg.max_total_tokens, "RolloutConfig.max_total_tokens", STAGE)
+    else:
+        check_context(policy_path, info, table, cfg.max_tokens, "RolloutConfig.max_tokens", STAGE)
     if cfg.engine == "vllm":
         from posttrain_core.rollout.vllm_env import vllm_options
 
@@ -114,6 +128,8 @@ def generate(
         "finish_length_rate": out.column("finish_reason").to_pylist().count("length") / out.num_rows,
         "engine_load_s": load["load_s"],
     }
+    if params.tools is not None:
+        metrics |= tool_metrics(out, table)
     if load["action"] == "prefetched":  # generation that ran before this stage, beside the update's publish
         metrics["generate_overlap_s"] = max(0.0, engine_seconds / pool.spec.num_engines - waited)
     return out, metrics, load["action"]
@@ -202,6 +218,41 @@ def prefetch_rollout(
     batches = engine_batches(select_prompts(cfg, prompts, store, STAGE), cfg.batch_size, cfg.num_engines)
     pool = EnginePool(warm, EngineSpec.of(cfg))
     return pool.prefetch(weights, key, batches, sampling_settings(cfg), serving=serving.digest)
+
+
+def tool_metrics(rollouts: pa.Table, prompts: pa.Table) -> dict[str, float]:
+    """Multi-turn metrics of a rollouts table: turns, tool calls and errors per sample, call latency p50/p95 (ms),
+    the max_turns rate, and the share of samples that called a tool per prompt family (meta.family)."""
+    import json
+
+    import numpy as np
+
+    n = rollouts.num_rows
+    calls = rollouts.column("num_tool_calls").to_pylist()
+    errors = sum(rollouts.column("tool_errors").to_pylist())
+    latency = [s["latency_ms"] for t in rollouts.column("turns").to_pylist() for s in json.loads(t or "[]")
+               if s["role"] == "tool"]  # fmt: skip
+    out = {
+        "turns_mean": sum(rollouts.column("num_turns").to_pylist()) / n,
+        "tool_calls_per_sample": sum(calls) / n,
+        "tool_call_rate": sum(1 for c in calls if c) / n,
+        "tool_error_rate": errors / max(sum(calls), 1),
+        "finish_max_turns_rate": rollouts.column("finish_reason").to_pylist().count("max_turns") / n,
+    }
+    if latency:
+        out |= {
+            "tool_latency_p50_ms": float(np.percentile(latency, 50)),
+            "tool_latency_p95_ms": float(np.percentile(latency, 95)),
+        }
+    if "meta" in prompts.column_names:
+        family = {p: json.loads(m or "{}").get("family") for p, m in
+                  zip(prompts.column("prompt_id").to_pylist(), prompts.column("meta").to_pylist(), strict=True)}  # fmt: skip
+        by: dict[str, list[int]] = {}
+        for p, c in zip(rollouts.column("prompt_id").to_pylist(), calls, strict=True):
+            if family.get(p):
+                by.setdefault(family[p], []).append(int(c > 0))
+        out |= {f"tool_call_rate/{f}": sum(v) / len(v) for f, v in by.items()}
+    return out
 
 
 def rollout_inputs(prompts: ArtifactRef, policy: ArtifactRef) -> dict[str, ArtifactRef]:

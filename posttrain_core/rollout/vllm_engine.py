@@ -7,6 +7,7 @@ environments: at module level it uses the standard library and pyarrow only; vLL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from posttrain_core.env import apply_engine_defaults
-from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SamplingSettings
+from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SINGLE_TURN, SamplingSettings
 
 # Ranks vLLM's LoRA layers are built for (`LoRAConfig.max_lora_rank`).
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -204,8 +205,6 @@ class VLLMEngine:
         Raises:
             ValueError: a prompt plus max_tokens does not fit the context (`max_model_len`).
         """
-        from vllm import SamplingParams
-
         from posttrain_core.data.chat import tokenize_prompt
         from posttrain_core.data.schemas import validate_table
         from posttrain_core.rollout.hf_engine import sample_seed
@@ -217,56 +216,77 @@ class VLLMEngine:
         answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(prompt_ids)
         encoded = [tokenize_prompt(self.tokenizer, m) for m in prompts.column("messages").to_pylist()]
         longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
-        if self.max_model_len and len(encoded[longest]) + params.max_tokens > self.max_model_len:
+        budget = params.tools.max_total_tokens if params.tools else params.max_tokens
+        if self.max_model_len and len(encoded[longest]) + budget > self.max_model_len:
             raise ValueError(
                 f"VLLMEngine: prompt {prompt_ids[longest]!r} ({len(encoded[longest])} tokens) + max_tokens "
-                f"({params.max_tokens}) exceeds the context (max_model_len={self.max_model_len})"
+                f"(or the multi-turn budget, {budget}) exceeds the context (max_model_len={self.max_model_len})"
             )
 
-        stop = [s for s in params.stop if s] or None
-        requests, sampling, keys = [], [], []
-        for row, ids in enumerate(encoded):
-            for k in range(params.n):
-                requests.append({"prompt_token_ids": ids})
-                sampling.append(
-                    SamplingParams(
-                        n=1,
-                        temperature=params.temperature,
-                        top_p=params.top_p if params.temperature > 0 else 1.0,
-                        max_tokens=params.max_tokens,
-                        stop=stop,
-                        seed=sample_seed(params.seed, prompt_ids[row], k) if params.temperature > 0 else None,
-                        logprobs=0,  # the sampled token's log-prob only
-                    )
-                )
-                keys.append((row, k))
         started = time.perf_counter()
-        outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)
-        seconds = time.perf_counter() - started
+        if params.tools is not None:
+            from posttrain_core.rollout.multiturn import generate_rows
 
+            def turn(contexts: list[list[int]], seeds: list[int], max_tokens: int) -> list[dict]:
+                return self._sample(contexts, seeds, dataclasses.replace(params, max_tokens=max_tokens))
+
+            rows = generate_rows(turn, self.tokenizer, prompts, params, self.policy_digest)
+        else:
+            contexts, seeds, keys = [], [], []
+            for row, ids in enumerate(encoded):
+                for k in range(params.n):
+                    contexts.append(ids)
+                    seeds.append(sample_seed(params.seed, prompt_ids[row], k))
+                    keys.append((row, k))
+            rows = [
+                {"prompt_id": prompt_ids[row], "sample_index": k, "prompt_ids": encoded[row], "answer": answers[row],
+                 "policy_digest": self.policy_digest, **SINGLE_TURN, **out}
+                for (row, k), out in zip(keys, self._sample(contexts, seeds, params), strict=True)
+            ]  # fmt: skip
+        columns = {name: [r[name] for r in rows] for name in ROLLOUT_COLUMNS}
+        self.last_stats = {
+            "tokens": sum(len(x) for x in columns["response_ids"]),
+            "seconds": time.perf_counter() - started,
+        }
+        return validate_table(pa.table(columns), "rollouts", source="VLLMEngine")
+
+    def _sample(self, contexts: list[list[int]], seeds: list[int], params: SamplingSettings) -> list[dict]:
+        """One sample per context (token ids) with its own seed: response_ids, raw log-probs, finish_reason and
+        response_text (cut before a stop string, as vLLM reports it)."""
+        from vllm import SamplingParams
+
+        stop = [s for s in params.stop if s] or None
+        sampling = [
+            SamplingParams(
+                n=1,
+                temperature=params.temperature,
+                top_p=params.top_p if params.temperature > 0 else 1.0,
+                max_tokens=params.max_tokens,
+                stop=stop,
+                seed=seed if params.temperature > 0 else None,
+                logprobs=0,  # the sampled token's log-prob only
+            )
+            for seed in seeds
+        ]
+        requests = [{"prompt_token_ids": ids} for ids in contexts]
+        outputs = self.llm.generate(requests, sampling, lora_request=self._lora, use_tqdm=False)
         completions = [out.outputs[0] for out in outputs]
         decoded = self.tokenizer.batch_decode([list(c.token_ids) for c in completions], skip_special_tokens=True)
-        columns: dict[str, list] = {name: [] for name in ROLLOUT_COLUMNS}
-        for (row, k), c, text in zip(keys, completions, decoded, strict=True):
+        results = []
+        for c, text in zip(completions, decoded, strict=True):
             token_ids = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(token_ids):
-                raise RuntimeError(
-                    f"VLLMEngine: vLLM returned no log-prob for some tokens of prompt {prompt_ids[row]!r}"
-                )
-            columns["prompt_id"].append(prompt_ids[row])
-            columns["sample_index"].append(k)
-            columns["prompt_ids"].append(encoded[row])
-            columns["response_ids"].append(token_ids)
-            # stop_reason is the stop string that ended the sample (vLLM cut the text before it), else None/eos id.
-            columns["response_text"].append(c.text if isinstance(c.stop_reason, str) else text)
-            columns["logprobs"].append([lp[t].logprob for lp, t in zip(c.logprobs, token_ids, strict=True)])
-            columns["finish_reason"].append(c.finish_reason or "length")
-            columns["policy_digest"].append(self.policy_digest)
-            columns["answer"].append(answers[row])
-            columns["response_mask"].append(None)
-            columns["turns"].append(None)
-        self.last_stats = {"tokens": sum(len(x) for x in columns["response_ids"]), "seconds": seconds}
-        return validate_table(pa.table(columns), "rollouts", source="VLLMEngine")
+                raise RuntimeError("VLLMEngine: vLLM returned no log-prob for some sampled tokens")
+            results.append(
+                {
+                    "response_ids": token_ids,
+                    # stop_reason is the stop string that ended the sample (vLLM cut the text before it), else eos.
+                    "response_text": c.text if isinstance(c.stop_reason, str) else text,
+                    "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, token_ids, strict=True)],
+                    "finish_reason": c.finish_reason or "length",
+                }
+            )
+        return results
 
     def load(self, model_path: str, policy_digest: str | None = None) -> str:
         """Serve another policy: a full model folder or a LoRA adapter folder; returns "updated" (in place, no
