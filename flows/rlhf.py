@@ -124,11 +124,19 @@ def _next_window(config: RLHFFlowConfig, k: int):
     return iteration_rollout(config.rollout, k + 1, 0, rl.max_gen_batches if rl.dynamic_sampling else 1)
 
 
+def greedy_eval_config(config: RLHFFlowConfig) -> EvalConfig:
+    """The held-out evaluation as configured, with the rollout's tools when it names none (a policy trained to call
+    tools is evaluated with them)."""
+    if config.eval.tools is None and config.rollout.tools is not None:
+        return config.eval.model_copy(update={"tools": config.rollout.tools})
+    return config.eval
+
+
 def sampled_eval_config(config: RLHFFlowConfig) -> EvalConfig:
     """The held-out evaluation sampled like the rollouts (`eval_samples` per prompt at the rollout temperature):
     pass@1 and pass@n, the quantity RL raises."""
     r = config.rollout
-    return config.eval.model_copy(
+    return greedy_eval_config(config).model_copy(
         update=dict(
             samples=config.eval_samples, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_tokens,
             seed=SAMPLED_EVAL_SEED, engine=r.engine, num_engines=r.num_engines, batch_size=r.batch_size,
@@ -141,7 +149,7 @@ def _evaluate(
     sampled: bool = True,
 ) -> dict[str, float]:  # fmt: skip
     """Held-out metrics of `policy` at iteration k: greedy accuracy (per family), and sampled pass@k."""
-    greedy = evaluate(config.eval, prompts, policy, f"iter={k}", root, pid, warm)
+    greedy = evaluate(greedy_eval_config(config), prompts, policy, f"iter={k}", root, pid, warm)
     metrics = {k_: v for k_, v in ArtifactStore(root).manifest(greedy)["metrics"].items() if k_.startswith("accuracy")}
     if sampled and config.eval_samples:
         ref = evaluate(sampled_eval_config(config), prompts, policy, f"iter={k}, sampled", root, pid, warm)

@@ -21,9 +21,12 @@ class _Config(BaseModel):
         of the key of the stage that runs them."""
         refs: set[str] = set()
         for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if isinstance(value, _Config):  # a nested config's references (RolloutConfig.tools)
+                refs.update(value.code_refs())
+                continue
             if not (isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("user_code")):
                 continue
-            value = getattr(self, name)
             items = list(value) if isinstance(value, list | dict) else [value]
             refs.update(v for v in items if isinstance(v, str) and is_reference(v))
         return sorted(refs)
@@ -168,6 +171,27 @@ class SFTConfig(TrainConfig):
     max_steps: int = Field(1500, ge=1, description="optimizer steps")
 
 
+class ToolConfig(_Config):
+    """Tools a policy may call over several turns of one rollout (docs/tools.md)."""
+
+    tools: list[str] = Field(
+        min_length=1, json_schema_extra=USER_CODE,
+        description="functions with type hints and a Google-style docstring, as 'package.module:fn' or "
+        "'path/to/file.py:fn'",
+    )  # fmt: skip
+    parser: Literal["hermes", "compact"] = Field(
+        "hermes", description="how calls are written: hermes <tool_call>{json}</tool_call>; compact <tool_call>name "
+        "arg ...</tool_call> (tiny models)",
+    )  # fmt: skip
+    max_turns: int = Field(4, ge=1, description="most assistant turns of a trajectory")
+    max_tool_calls_per_turn: int = Field(1, ge=1, description="calls run per assistant turn (the first N)")
+    tool_timeout_s: float = Field(10.0, gt=0, description="a call's deadline; past it the model sees an error")
+    max_tool_response_tokens: int = Field(64, ge=1, description="a tool's result is cut to this many tokens")
+    max_total_tokens: int = Field(
+        256, ge=1, description="most response tokens of a trajectory (assistant and tool turns together)"
+    )
+
+
 class EvalConfig(_Config):
     """Answers to held-out prompts, scored by a verifier: greedy accuracy by default, pass@k with several samples."""
 
@@ -192,6 +216,9 @@ class EvalConfig(_Config):
     num_engines: int = Field(2, ge=1, description="engine actors generating in parallel")
     batch_size: int = Field(64, ge=1, description="most prompts per engine call")
     max_prompts: int | None = Field(None, ge=1, description="evaluate only the first N prompts")
+    tools: ToolConfig | None = Field(
+        None, description="multi-turn with tool calls (the rlhf flow: empty takes the rollout's tools)"
+    )
 
 
 class SFTFlowConfig(_Config):
@@ -254,22 +281,7 @@ class RolloutConfig(_Config):
     vllm_python: str | None = Field(
         None, description="python of the vLLM environment (default: $POSTTRAIN_VLLM_PYTHON or .venv-vllm/bin/python)"
     )
-    tools: list[str] = Field(
-        default_factory=list, json_schema_extra=USER_CODE,
-        description="tools the policy may call over several turns: functions with type hints and a Google-style "
-        "docstring, as 'package.module:fn' or 'path/to/file.py:fn' (empty: one turn; docs/tools.md)",
-    )  # fmt: skip
-    tool_parser: Literal["hermes", "compact"] = Field(
-        "hermes", description="how calls are written: hermes <tool_call>{json}</tool_call>; compact <tool_call>name "
-        "arg ...</tool_call> (tiny models)",
-    )  # fmt: skip
-    max_turns: int = Field(4, ge=1, description="tools: most assistant turns of a trajectory")
-    max_tool_calls_per_turn: int = Field(1, ge=1, description="tools: calls run per assistant turn (the first N)")
-    tool_timeout_s: float = Field(10.0, gt=0, description="tools: a call's deadline; past it the model sees an error")
-    max_tool_response_tokens: int = Field(64, ge=1, description="tools: a result is cut to this many tokens")
-    max_total_tokens: int = Field(
-        256, ge=1, description="tools: most response tokens of a trajectory (assistant and tool turns together)"
-    )
+    tools: ToolConfig | None = Field(None, description="multi-turn with tool calls (empty: one turn; docs/tools.md)")
 
 
 class ScoreConfig(_Config):
@@ -293,6 +305,9 @@ class ScoreConfig(_Config):
     format_pattern: str | None = Field(None, description="pattern of the format verifier (the whole response)")
     length_limit: int = Field(1000, ge=1, description="length verifier: characters before the penalty starts")
     reward_model_weight: float = Field(0.0, description="weight of the reward model's score (needs a reward model)")
+    tool_call_cost: float = Field(
+        0.0, ge=0, description="multi-turn: subtracted from the reward per tool call (teaches when to call)"
+    )
     overlong_max_tokens: int | None = Field(None, ge=1, description="DAPO overlong shaping: length budget L_max")
     overlong_buffer: int = Field(8, ge=1, description="DAPO overlong shaping: soft buffer L_buf")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at L_max")

@@ -39,6 +39,7 @@ def run_evaluate(
     from posttrain_core.data.io import read_dataset
     from posttrain_core.models.loading import check_model_path
     from posttrain_core.rollout.prompts import check_context, check_unique_ids
+    from posttrain_core.rollout.stage import check_tools
 
     if prompts.schema_kind != "prompts":
         raise ValueError(f"{STAGE}: input must be a 'prompts' dataset, got {prompts.schema_kind}")
@@ -50,7 +51,9 @@ def run_evaluate(
     if table.num_rows == 0:
         raise ValueError(f"{STAGE}: {prompts.uri} has no prompt with an answer")
     check_unique_ids(table, prompts.uri, STAGE)
-    check_context(store.local_path(model), info, table, cfg.max_new_tokens, "EvalConfig.max_new_tokens", STAGE)
+    budget = check_tools(cfg.tools, cfg.max_new_tokens, "EvalConfig")
+    field = "EvalConfig.tools.max_total_tokens" if cfg.tools else "EvalConfig.max_new_tokens"
+    check_context(store.local_path(model), info, table, budget, field, STAGE)
     score_cfg = verifier_config(cfg)
     check_score_config(score_cfg, has_reward_model=False)
     if cfg.engine == "vllm":
@@ -61,11 +64,12 @@ def run_evaluate(
     def build(ctx: StageContext) -> StageOutput:
         from posttrain_core.data.io import write_dataset
         from posttrain_core.rewards.passk import pass_at_k_by_family
-        from posttrain_core.rollout.stage import generate
+        from posttrain_core.rollout.stage import generate, tool_settings
 
         params = SamplingSettings(
-            n=cfg.samples, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=cfg.seed
-        )
+            n=cfg.samples, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=cfg.seed,
+            tools=tool_settings(cfg.tools),
+        )  # fmt: skip
         spec = EngineSpec(cfg.engine, "float32", cfg.num_engines)
         with WarmGroup.use(warm, STAGE) as group:
             rows, _, _ = generate(

@@ -5,6 +5,7 @@ environment); both give the same greedy trajectories, and rows satisfy the token
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -143,3 +144,39 @@ def test_the_vllm_engine_gives_the_same_greedy_trajectories(tool_model, ray_sess
     assert max(gaps) < 1e-3
     assert all(r["num_tool_calls"] == 1 for r in rows)
     assert Path(tool_model["tool"].split(":")[0]).is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_an_rl_flow_with_a_users_tool(
+    tool_model, engine, tmp_path, session_dir, prefect_api, ray_session, vllm_or_skip
+):
+    """2 GRPO iterations with the tool on each engine: trajectories call it, the update trains on policy tokens only,
+    the rollout stage reports the tool metrics, and a re-run is all cache hits."""
+    from flows.rlhf import rlhf_flow
+    from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.config import RLHFFlowConfig
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": _chat(k)[0]["content"], "answer": _code(k)}) + "\n" for k in KEYS))
+    tools = {"tools": [tool_model["tool"]], "parser": "compact", "max_turns": 3, "max_total_tokens": 64}
+    rollout = dict(engine=engine, n=2, max_prompts=4, max_tokens=16, num_engines=1, tools=tools)
+    vllm_or_skip(RolloutConfig(engine=engine))
+    config = RLHFFlowConfig(
+        store=str(session_dir / f"tools-{engine}"), model={"path": tool_model["path"]}, pretrain=None, sft=None,
+        data={"prompts_path": str(prompts), "eval_path": str(prompts)}, iterations=2, rollout=rollout,
+        score={"verifiers": {"numeric": 1.0}, "tool_call_cost": 0.05},
+        rl={"algorithm": "grpo", "mini_batches": 1, "micro_batch_size": 8, "lr": 1e-4},
+        eval={"verifier": "numeric", "max_new_tokens": 16, "num_engines": 1}, eval_samples=0,
+    )  # fmt: skip
+    result = rlhf_flow(config)
+    store = ArtifactStore(config.store)
+    rollouts = [store.manifest(r) for r in store.list() if store.manifest(r)["stage"] == "rollout"]
+    assert len(rollouts) == 2
+    for m in rollouts:
+        assert m["metrics"]["tool_calls_per_sample"] > 0.5 and m["metrics"]["tool_error_rate"] == 0.0, m["metrics"]
+        assert "tool_latency_p95_ms" in m["metrics"] and m["metrics"]["turns_mean"] >= 1.5
+    update = store.manifest(result["policy"])["metrics"]
+    assert math.isfinite(update["pg_loss"]) and update["logp_mismatch_mean"] < 1e-2, update
+    again = rlhf_flow(config)
+    assert again["policy"].key == result["policy"].key

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 STAGE = "score"
 RM_COMPONENT, OVERLONG_COMPONENT = "reward_model", "overlong"
+TOOL_REWARD_COMPONENT, TOOL_CALLS_COMPONENT = "tool_reward", "tool_calls"
 
 # A reward model given to `score_rollouts`: precomputed scores (one per row), or fn(prompts, responses) -> scores.
 RewardModelScores = Sequence[float] | Callable[[list[list[dict]], list[str]], Sequence[float]]
@@ -114,8 +115,20 @@ def score_rollouts(
                 raise ValueError(f"score_rollouts: row {i}: the reward model's score is {s}")
             components[i][RM_COMPONENT] = s
             rewards[i] += cfg.reward_model_weight * s
-    if cfg.overlong_max_tokens is not None:
-        lengths = [len(x) for x in table.column("response_ids").to_pylist()]
+    turns = table.column("turns").to_pylist()
+    for i, t in enumerate(turns):  # multi-turn rows: what the tools returned as reward, and the price of each call
+        if t is None:
+            continue
+        tool_turns = [s for s in json.loads(t) if s["role"] == "tool"]
+        components[i][TOOL_REWARD_COMPONENT] = sum(float(s.get("reward", 0.0)) for s in tool_turns)
+        components[i][TOOL_CALLS_COMPONENT] = float(len(tool_turns))
+        rewards[i] += components[i][TOOL_REWARD_COMPONENT] - cfg.tool_call_cost * len(tool_turns)
+    if cfg.overlong_max_tokens is not None:  # policy tokens only: tool output is not the policy's length
+        masks = table.column("response_mask").to_pylist()
+        lengths = [
+            sum(m) if m is not None else len(x)
+            for x, m in zip(table.column("response_ids").to_pylist(), masks, strict=True)
+        ]
         terms = overlong_penalty(lengths, cfg.overlong_max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
         for i, t in enumerate(terms):
             components[i][OVERLONG_COMPONENT] = t

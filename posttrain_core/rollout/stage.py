@@ -24,7 +24,7 @@ from posttrain_core.rollout.worker import ENGINE_SECONDS
 
 if TYPE_CHECKING:
     from posttrain_core.artifacts import ArtifactRef, ArtifactStore
-    from posttrain_core.config import RolloutConfig
+    from posttrain_core.config import RolloutConfig, ToolConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +33,30 @@ STAGE = "rollout"
 
 def sampling_settings(cfg: RolloutConfig) -> SamplingSettings:
     """The plain, picklable sampling parameters of a rollout config."""
-    tools = None
-    if cfg.tools:  # engine actors load the tools again by these references: file paths made absolute
-        tools = ToolSettings(
-            tools=tuple(absolute(ref) for ref in cfg.tools), parser=cfg.tool_parser, max_turns=cfg.max_turns,
-            max_tool_calls_per_turn=cfg.max_tool_calls_per_turn, tool_timeout_s=cfg.tool_timeout_s,
-            max_tool_response_tokens=cfg.max_tool_response_tokens, max_total_tokens=cfg.max_total_tokens,
-        )  # fmt: skip
     return SamplingSettings(
         n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, stop=tuple(cfg.stop),
-        seed=cfg.seed, tools=tools,
+        seed=cfg.seed, tools=tool_settings(cfg.tools),
     )  # fmt: skip
+
+
+def tool_settings(cfg: ToolConfig | None) -> ToolSettings | None:
+    """The engines' tool settings; engine actors load the tools again by these references (file paths absolute)."""
+    if cfg is None:
+        return None
+    return ToolSettings(
+        tools=tuple(absolute(ref) for ref in cfg.tools), parser=cfg.parser, max_turns=cfg.max_turns,
+        max_tool_calls_per_turn=cfg.max_tool_calls_per_turn, tool_timeout_s=cfg.tool_timeout_s,
+        max_tool_response_tokens=cfg.max_tool_response_tokens, max_total_tokens=cfg.max_total_tokens,
+    )  # fmt: skip
+
+
+def check_tools(cfg: ToolConfig | None, max_tokens: int, field: str) -> int:
+    """Every tool loads and has a schema (before any Ray work); returns the response budget to check against the
+    model's context: max_total_tokens with tools, else `max_tokens`."""
+    if cfg is None:
+        return max_tokens
+    ToolBox(tuple(cfg.tools), f"{field}.tools")
+    return cfg.max_total_tokens
 
 
 def check_rollout_inputs(
@@ -68,11 +81,9 @@ def check_rollout_inputs(
     policy_path = store.local_path(policy)
     info = check_model_path(policy_path)
     table = select_prompts(cfg, prompts, store, STAGE)
-    if cfg.tools:
-        ToolBox(tuple(cfg.tools), "RolloutConfig.tools")  # every tool loads and has a schema, before any Ray work
-        check_context(policy_path, info, table, cfg.max_total_tokens, "RolloutConfig.max_total_tokens", STAGE)
-    else:
-        check_context(policy_path, info, table, cfg.max_tokens, "RolloutConfig.max_tokens", STAGE)
+    budget = check_tools(cfg.tools, cfg.max_tokens, "RolloutConfig.tools")
+    field = "RolloutConfig.tools.max_total_tokens" if cfg.tools else "RolloutConfig.max_tokens"
+    check_context(policy_path, info, table, budget, field, STAGE)
     if cfg.engine == "vllm":
         from posttrain_core.rollout.vllm_env import vllm_options
 
