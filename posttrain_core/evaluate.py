@@ -8,7 +8,6 @@ carries the metrics, per family where the prompts' `meta` names one.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
 
@@ -38,7 +37,7 @@ def run_evaluate(
     """
     from posttrain_core.data.io import read_dataset
     from posttrain_core.models.loading import check_model_path
-    from posttrain_core.rollout.prompts import check_context, check_unique_ids
+    from posttrain_core.rollout.prompts import check_context, check_unique_ids, prompt_families
     from posttrain_core.rollout.stage import check_tools
 
     if prompts.schema_kind != "prompts":
@@ -81,10 +80,7 @@ def run_evaluate(
                 f"{STAGE}: EvalConfig.verifier {cfg.verifier!r} gives no verifier outcome: it must return "
                 "{'correct': 0 or 1, ...} (exact_match, numeric and math do)"
             )
-        families = {
-            pid: (json.loads(meta) if meta else {}).get("family")
-            for pid, meta in zip(table.column("prompt_id").to_pylist(), table.column("meta").to_pylist(), strict=True)
-        }
+        families = prompt_families(table)
         out = scored.select(
             ["prompt_id", "sample_index", "response_text", "answer", "correct", "reward", "parse_failed"]
         )

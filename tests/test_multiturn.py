@@ -68,10 +68,11 @@ class Scripted:
     """A token-level engine that replies with canned texts in order per trajectory; log-prob of token j = -(j+1)/100,
     so alignment is visible. Records what it was fed."""
 
-    def __init__(self, tokenizer, replies: dict[str, list[str]], eos: bool = True):
-        self.tok, self.replies, self.eos, self.fed = tokenizer, replies, eos, []
+    def __init__(self, tokenizer, replies: dict[str, list[str]], eos: bool = True, max_tokens: int = 32):
+        self.tok, self.replies, self.eos, self.max_tokens, self.fed = tokenizer, replies, eos, max_tokens, []
 
-    def __call__(self, contexts, seeds, max_tokens):
+    def __call__(self, contexts, seeds):
+        max_tokens = self.max_tokens
         outs = []
         for ctx, seed in zip(contexts, seeds, strict=True):
             self.fed.append((list(ctx), seed))
@@ -86,17 +87,17 @@ class Scripted:
         return outs
 
 
-def _trajectories(tokenizer, keys, toolbox=None):
-    delta = TemplateDelta(tokenizer, toolbox.schemas if toolbox else None)
+def _trajectories(delta, keys):
     prompt = delta.prompt_ids([{"role": "user", "content": "What is 12 * 34?"}])
     return [Trajectory(k, 0, prompt) for k in keys]
 
 
 def _run(tokenizer, toolbox, replies, **settings):
     engine = Scripted(tokenizer, replies)
-    trajs = _trajectories(tokenizer, list(replies), toolbox)
+    delta = TemplateDelta(tokenizer, toolbox.schemas)
+    trajs = _trajectories(delta, list(replies))
     cfg = ToolSettings(tools=toolbox.references, parser="compact", **settings)
-    run(engine, tokenizer, trajs, lambda t, turn: (t.prompt_id, turn), 32, cfg, toolbox)
+    run(engine, delta, trajs, lambda t, turn: (t.prompt_id, turn), cfg, toolbox)
     return engine, {t.prompt_id: t for t in trajs}
 
 

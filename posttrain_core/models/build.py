@@ -26,11 +26,10 @@ def run_build_model(cfg: ModelConfig, corpus: ArtifactRef | None, store: Artifac
         corpus: a `text` dataset to train the tiny model's tokenizer on (unused with `path`).
         store: the artifact store.
     """
+    from posttrain_core.models.gguf import import_gguf, is_gguf_path
     from posttrain_core.models.loading import check_model_path
 
-    if cfg.path and cfg.path.lower().endswith(".gguf"):
-        from posttrain_core.models.gguf import import_gguf
-
+    if cfg.path and is_gguf_path(cfg.path):
         return import_gguf(cfg.path, store)
     if cfg.path:
         info = check_model_path(cfg.path)

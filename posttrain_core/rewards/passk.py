@@ -56,15 +56,14 @@ def pass_at_k_table(scored: pa.Table, ks: Sequence[int]) -> dict[str, float]:
 def pass_at_k_by_family(scored: pa.Table, prompts: pa.Table, ks: Sequence[int]) -> dict[str, float]:
     """`pass_at_k_table` over all prompts, plus "pass@k/<family>" for each family named in the prompts' `meta`
     ({"family": ...}, as the synthetic tasks write it; prompts without one count only in the overall numbers)."""
-    import json
-
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from posttrain_core.rollout.prompts import prompt_families
+
     out = pass_at_k_table(scored, ks)
     families: dict[str, list[str]] = {}
-    for pid, meta in zip(prompts.column("prompt_id").to_pylist(), prompts.column("meta").to_pylist(), strict=True):
-        family = json.loads(meta).get("family") if meta else None
+    for pid, family in prompt_families(prompts).items():
         if family:
             families.setdefault(family, []).append(pid)
     for family, ids in sorted(families.items()):

@@ -6,7 +6,7 @@ returned log-probs are exactly the trainer's (the raw model distribution); see `
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import hashlib
 import time
 import warnings
@@ -188,29 +188,25 @@ class HFEngine:
         if params.tools is not None:
             from posttrain_core.rollout.multiturn import generate_rows
 
-            def turn(contexts: list[list[int]], seeds: list[int], max_tokens: int) -> list[dict]:
-                return self._decode(contexts, seeds, dataclasses.replace(params, max_tokens=max_tokens))
-
-            results = generate_rows(turn, self.tokenizer, prompts, params, self.policy_digest)
-            return self._table(results, started)
+            sample = functools.partial(self._sample, params=params)
+            return self._table(generate_rows(sample, self.tokenizer, prompts, params, self.policy_digest), started)
         samples = [_Sample(row, k, encoded[row]) for row in range(len(encoded)) for k in range(params.n)]
-        results: list[dict] = []
-        for start in range(0, len(samples), self.max_batch_size):
-            chunk = samples[start : start + self.max_batch_size]
-            seeds = [sample_seed(params.seed, prompt_ids[s.row], s.sample_index) for s in chunk]
-            for s, out in zip(chunk, self._decode([s.prompt_ids for s in chunk], seeds, params), strict=True):
-                results.append(
-                    {
-                        "prompt_id": prompt_ids[s.row],
-                        "sample_index": s.sample_index,
-                        "prompt_ids": s.prompt_ids,
-                        "answer": answers[s.row],
-                        "policy_digest": self.policy_digest,
-                        **SINGLE_TURN,
-                        **out,
-                    }
-                )
+        seeds = [sample_seed(params.seed, prompt_ids[s.row], s.sample_index) for s in samples]
+        outs = self._sample([s.prompt_ids for s in samples], seeds, params)
+        results = [
+            {"prompt_id": prompt_ids[s.row], "sample_index": s.sample_index, "prompt_ids": s.prompt_ids,
+             "answer": answers[s.row], "policy_digest": self.policy_digest, **SINGLE_TURN, **out}
+            for s, out in zip(samples, outs, strict=True)
+        ]  # fmt: skip
         return self._table(results, started)
+
+    def _sample(self, contexts: list[list[int]], seeds: list[int], params: SamplingSettings) -> list[dict]:
+        """One sample per context (token ids) with its own seed, `max_batch_size` contexts per decode batch."""
+        out: list[dict] = []
+        for start in range(0, len(contexts), self.max_batch_size):
+            end = start + self.max_batch_size
+            out += self._decode(contexts[start:end], seeds[start:end], params)
+        return out
 
     def _table(self, results: list[dict], started: float) -> pa.Table:
         from posttrain_core.data.schemas import validate_table

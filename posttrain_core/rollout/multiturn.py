@@ -22,8 +22,9 @@ from typing import Any
 
 from posttrain_core.rollout.tools import PARSERS, ToolBox, ToolCall, ToolResult
 
-# generate(contexts, seeds, max_tokens) -> per context {"response_ids", "logprobs", "finish_reason"}
-TokenGenerate = Callable[[list[list[int]], list[int], int], list[dict]]
+# sample(contexts, seeds) -> per context {"response_ids", "logprobs", "finish_reason"}: one assistant turn each, at
+# most the sampling settings' max_tokens (an engine's `_sample` with its settings bound)
+TokenGenerate = Callable[[list[list[int]], list[int]], list[dict]]
 
 _PREFIX = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
 
@@ -102,10 +103,9 @@ class TemplateDelta:
 
 def run(
     generate: TokenGenerate,
-    tokenizer: Any,
+    delta: TemplateDelta,
     trajectories: list[Trajectory],
     seeds: Callable[[Trajectory, int], int],
-    max_tokens: int,
     settings: ToolSettings,
     toolbox: ToolBox,
 ) -> None:
@@ -114,11 +114,11 @@ def run(
 
     Args:
         generate: the engine's token-level sampler.
+        delta: the chat template's tool turns, for the tokenizer the engine samples with.
         seeds: the seed of a trajectory's turn (each turn its own stream: same seed, same trajectories).
-        max_tokens: most tokens of one assistant turn.
     """
     parse = PARSERS[settings.parser]
-    delta = TemplateDelta(tokenizer, toolbox.schemas)
+    tokenizer = delta.tokenizer
     # Not a `with` block: leaving one waits for every thread, and a hung tool must not hang the rollout.
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="posttrain-tool")
     try:
@@ -127,7 +127,7 @@ def run(
             if not active:
                 break
             contexts = [t.prompt_ids + t.response_ids for t in active]
-            outs = generate(contexts, [seeds(t, turn) for t in active], max_tokens)
+            outs = generate(contexts, [seeds(t, turn) for t in active])
             calling: list[tuple[Trajectory, list[ToolCall]]] = []
             for t, out in zip(active, outs, strict=True):
                 calls = _append_assistant_turn(t, out, tokenizer, parse, settings)
@@ -228,7 +228,7 @@ def generate_rows(generate: TokenGenerate, tokenizer: Any, prompts: Any, params:
     def seed(t: Trajectory, turn: int) -> int:
         return sample_seed(params.seed, t.prompt_id if turn == 0 else f"{t.prompt_id}\x1eturn{turn}", t.sample_index)
 
-    run(generate, tokenizer, trajectories, seed, params.max_tokens, settings, toolbox)
+    run(generate, delta, trajectories, seed, settings, toolbox)
     answer_of = dict(zip(ids, answers, strict=True))
     return [
         {"prompt_id": t.prompt_id, "sample_index": t.sample_index, "prompt_ids": t.prompt_ids,

@@ -25,8 +25,8 @@ def select_prompts(cfg: RolloutConfig, prompts: ArtifactRef, store: ArtifactStor
     table = read_dataset(store.local_path(prompts), "prompts")  # a missing/bad `messages` column fails here
     check_unique_ids(table, prompts.uri, stage)
     if cfg.families:
-        families = [(json.loads(m) if m else {}).get("family") for m in table.column("meta").to_pylist()]
-        table = table.filter(pa.array([f in cfg.families for f in families], pa.bool_()))
+        families = prompt_families(table)  # ids are unique (checked above)
+        table = table.filter(pa.array([families[p] in cfg.families for p in table.column("prompt_id").to_pylist()]))
         if table.num_rows == 0:
             raise ValueError(f"{stage}: {prompts.uri} has no prompt whose meta.family is one of {cfg.families}")
     if table.num_rows == 0:
@@ -35,6 +35,14 @@ def select_prompts(cfg: RolloutConfig, prompts: ArtifactRef, store: ArtifactStor
         n = min(cfg.max_prompts or table.num_rows, table.num_rows)
         table = table.take([(cfg.prompt_start + i) % table.num_rows for i in range(n)])
     return table
+
+
+def prompt_families(prompts: pa.Table) -> dict[str, str | None]:
+    """prompt_id -> the family named in the row's `meta` ({"family": ...}, as the synthetic tasks write it), or None."""
+    return {
+        pid: (json.loads(meta) if meta else {}).get("family")
+        for pid, meta in zip(prompts.column("prompt_id").to_pylist(), prompts.column("meta").to_pylist(), strict=True)
+    }
 
 
 def check_unique_ids(table: pa.Table, where: str, stage: str) -> None:

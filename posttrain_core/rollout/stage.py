@@ -18,7 +18,7 @@ from posttrain_core.plugins import absolute
 from posttrain_core.rollout.engine import SamplingSettings
 from posttrain_core.rollout.multiturn import ToolSettings
 from posttrain_core.rollout.pool import EnginePool, EngineSpec
-from posttrain_core.rollout.prompts import check_context, engine_batches, select_prompts
+from posttrain_core.rollout.prompts import check_context, engine_batches, prompt_families, select_prompts
 from posttrain_core.rollout.tools import ToolBox
 from posttrain_core.rollout.worker import ENGINE_SECONDS
 
@@ -255,14 +255,12 @@ def tool_metrics(rollouts: pa.Table, prompts: pa.Table) -> dict[str, float]:
             "tool_latency_p50_ms": float(np.percentile(latency, 50)),
             "tool_latency_p95_ms": float(np.percentile(latency, 95)),
         }
-    if "meta" in prompts.column_names:
-        family = {p: json.loads(m or "{}").get("family") for p, m in
-                  zip(prompts.column("prompt_id").to_pylist(), prompts.column("meta").to_pylist(), strict=True)}  # fmt: skip
-        by: dict[str, list[int]] = {}
-        for p, c in zip(rollouts.column("prompt_id").to_pylist(), calls, strict=True):
-            if family.get(p):
-                by.setdefault(family[p], []).append(int(c > 0))
-        out |= {f"tool_call_rate/{f}": sum(v) / len(v) for f, v in by.items()}
+    family = prompt_families(prompts)
+    by: dict[str, list[int]] = {}
+    for p, c in zip(rollouts.column("prompt_id").to_pylist(), calls, strict=True):
+        if family.get(p):
+            by.setdefault(family[p], []).append(int(c > 0))
+    out |= {f"tool_call_rate/{f}": sum(v) / len(v) for f, v in by.items()}
     return out
 
 

@@ -7,7 +7,7 @@ environments: at module level it uses the standard library and pyarrow only; vLL
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import os
 import sys
@@ -227,10 +227,8 @@ class VLLMEngine:
         if params.tools is not None:
             from posttrain_core.rollout.multiturn import generate_rows
 
-            def turn(contexts: list[list[int]], seeds: list[int], max_tokens: int) -> list[dict]:
-                return self._sample(contexts, seeds, dataclasses.replace(params, max_tokens=max_tokens))
-
-            rows = generate_rows(turn, self.tokenizer, prompts, params, self.policy_digest)
+            sample = functools.partial(self._sample, params=params)
+            rows = generate_rows(sample, self.tokenizer, prompts, params, self.policy_digest)
         else:
             contexts, seeds, keys = [], [], []
             for row, ids in enumerate(encoded):
