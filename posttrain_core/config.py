@@ -59,8 +59,10 @@ class DataConfig(_Config):
         description="Raw text ({'text': ...}) for continued pretraining. Empty: the synthetic corpus, or the "
         "training chats flattened to text.",
     )
-    families: list[Literal["arithmetic", "reverse"]] = Field(
-        default_factory=lambda: ["arithmetic", "reverse"], description="synthetic task families"
+    families: list[Literal["arithmetic", "reverse", "lookup", "calc"]] = Field(
+        default_factory=lambda: ["arithmetic", "reverse"],
+        description="synthetic task families; lookup and calc need a tool (posttrain_core.data.tool_tasks, "
+        "docs/tools.md)",
     )
     n_train: int = Field(6000, ge=1, description="synthetic training problems")
     n_eval: int = Field(200, ge=1, description="held-out evaluation prompts (never seen in training)")
@@ -68,9 +70,10 @@ class DataConfig(_Config):
         0.2,
         ge=0.0,
         le=1.0,
-        description="synthetic arithmetic: fraction of the SFT (and pretraining) solutions with one slipped step "
-        "carried through to a wrong final answer, as in imperfect human- or model-written demonstrations. SFT "
-        "imitates the slips; RL against the exact verifier removes them (0: clean demonstrations)",
+        description="synthetic tasks: fraction of the SFT (and pretraining) demonstrations with one mistake, as in "
+        "imperfect human- or model-written data: arithmetic slips a step and carries it to a wrong answer; tool "
+        "families skip the call, mangle its arguments, or call where no tool is needed. SFT imitates the mistakes; "
+        "RL against the verifier removes them (0: clean demonstrations)",
     )
     n_rl_prompts: int = Field(
         4096,
@@ -172,12 +175,17 @@ class SFTConfig(TrainConfig):
 
 
 class ToolConfig(_Config):
-    """Tools a policy may call over several turns of one rollout (docs/tools.md)."""
+    """Tools, or an environment, a policy may call over several turns of one rollout (docs/tools.md)."""
 
     tools: list[str] = Field(
-        min_length=1, json_schema_extra=USER_CODE,
+        default_factory=list, json_schema_extra=USER_CODE,
         description="functions with type hints and a Google-style docstring, as 'package.module:fn' or "
         "'path/to/file.py:fn'",
+    )  # fmt: skip
+    environment: str | None = Field(
+        None, json_schema_extra=USER_CODE,
+        description="a class with reset(row) and step(call) (optional reward(), close(), tools), one instance per "
+        "trajectory, as 'package.module:Class' or 'path/to/file.py:Class' (instead of tools)",
     )  # fmt: skip
     parser: Literal["hermes", "compact"] = Field(
         "hermes", description="how calls are written: hermes <tool_call>{json}</tool_call>; compact <tool_call>name "
@@ -190,6 +198,12 @@ class ToolConfig(_Config):
     max_total_tokens: int = Field(
         256, ge=1, description="most response tokens of a trajectory (assistant and tool turns together)"
     )
+
+    @model_validator(mode="after")
+    def _tools_or_environment(self) -> ToolConfig:
+        if bool(self.tools) == bool(self.environment):
+            raise ValueError("give either tools (functions) or an environment (a class), not both or neither")
+        return self
 
 
 class EvalConfig(_Config):

@@ -63,7 +63,7 @@ def run_evaluate(
     def build(ctx: StageContext) -> StageOutput:
         from posttrain_core.data.io import write_dataset
         from posttrain_core.rewards.passk import pass_at_k_by_family
-        from posttrain_core.rollout.stage import generate, tool_settings
+        from posttrain_core.rollout.stage import generate, tool_metrics, tool_settings
 
         params = SamplingSettings(
             n=cfg.samples, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=cfg.seed,
@@ -87,6 +87,8 @@ def run_evaluate(
         out = out.append_column("family", pa.array([families[p] for p in out.column("prompt_id").to_pylist()]))
         write_dataset(out, "eval", ctx.outdir)
         metrics = summarize(out.to_pylist())
+        if cfg.tools:
+            metrics |= tool_metrics(rows, table)
         if cfg.samples > 1:
             ks = tuple(dict.fromkeys((1, cfg.samples)))
             metrics |= {k: v for k, v in pass_at_k_by_family(scored, table, ks).items() if k.startswith("pass@")}

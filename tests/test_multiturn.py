@@ -207,3 +207,25 @@ def test_a_tool_without_a_docstring_is_refused_naming_it(tmp_path):
     path.write_text("def f(x):\n    return str(x)\n")
     with pytest.raises(ValueError, match=r"rollout.tools: '.*bad_tools.py:f' needs type hints and a Google-style"):
         ToolBox((f"{path}:f",))
+
+
+def test_the_log_prob_gap_is_reported_per_assistant_turn():
+    """Assistant turns are the runs of mask-1 tokens; tool tokens (mask 0) never count, whatever their values."""
+    import torch
+
+    from posttrain_core.train.rl_batch import LogpChecks
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 1.0], [1, 1, 1, 0, 0, 0, 0, 0, 0]])
+    trainer = torch.tensor([[0.1, 0.1, 9, 9, 0.2, 0.2, 0.2, 9, 0.3], [0.1, 0.1, 0.1, 5, 5, 5, 5, 5, 5]])
+    checks = LogpChecks()
+    checks.add(torch.zeros(2, 9), trainer, None, mask)
+    both = LogpChecks.merge([checks, checks]).metrics()
+    got = checks.metrics()
+    assert got == pytest.approx(both)
+    assert got["logp_mismatch_mean/turn1"] == pytest.approx(0.1)
+    assert got["logp_mismatch_mean/turn2"] == pytest.approx(0.2)
+    assert got["logp_mismatch_mean/turn3"] == pytest.approx(0.3)
+    assert got["logp_mismatch_mean"] == pytest.approx((5 * 0.1 + 3 * 0.2 + 0.3) / 9)
+    single = LogpChecks()
+    single.add(torch.zeros(1, 3), torch.full((1, 3), 0.1), None, torch.ones(1, 3))
+    assert not any("/turn" in k for k in single.metrics())  # single-turn rows: no per-turn keys

@@ -1,4 +1,5 @@
-"""Synthetic tasks with verifiable answers (arithmetic, letter reversal), deterministic from a seed, and verifiers.
+"""Synthetic tasks with verifiable answers (arithmetic, letter reversal, and tasks that need a tool: `tool_tasks`),
+deterministic from a seed.
 
 They feed every stage of the demo pipeline: tokenizer corpus, pretraining text, SFT, preferences, RL prompts, eval.
 Arithmetic solutions are worked column by column before "The answer is N" (a short chain of thought): a 0.8M-parameter
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from posttrain_core.data import tool_tasks
 from posttrain_core.data.schemas import validate_table
 
-FAMILIES = ("arithmetic", "reverse")
+FAMILIES = ("arithmetic", "reverse")  # the demo's; tool_tasks.TOOL_FAMILIES are the others
 
 FILLER_SENTENCES = (
     "Arithmetic is the study of numbers and the operations on them.",
@@ -41,6 +43,7 @@ class Problem:
     question: str
     answer: str
     solution: str  # what the assistant says in the SFT data: the answer, or worked steps ending in it
+    demo: tuple[tuple[str, str], ...] = ()  # tool families: the (role, text) turns after the question instead
 
 
 def _operand(rng: random.Random, max_digits: int) -> int:
@@ -71,6 +74,7 @@ _GENERATORS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
     "arithmetic": _arithmetic,
     "reverse": _reverse,
 }
+_TOOL_GENERATORS = {"lookup": tool_tasks.generate_lookup, "calc": tool_tasks.generate_calc}
 
 ANSWER_PREFIX = "The answer is "
 
@@ -116,7 +120,8 @@ def worked_solution(question: str, max_digits: int, slip: tuple[int, int] | None
 
 
 def with_slips(problems: Sequence[Problem], rate: float, max_digits: int, seed: int = 0) -> list[Problem]:
-    """`problems` where a `rate` fraction of the worked arithmetic solutions carry one slip (`worked_solution`).
+    """`problems` where a `rate` fraction of the worked arithmetic solutions carry one slip (`worked_solution`), and
+    a `rate` fraction of the tool demonstrations one mistake (`tool_tasks.imperfect`).
 
     The `answer` (what verifiers check) stays right: only the demonstration is wrong. Which problems slip, in which
     column and which way is a function of (seed, prompt_id), so a problem slips the same way in every dataset.
@@ -126,7 +131,9 @@ def with_slips(problems: Sequence[Problem], rate: float, max_digits: int, seed: 
     out = []
     for p in problems:
         rng = random.Random(f"{seed}-slip-{p.prompt_id}")
-        if p.family == "arithmetic" and p.solution != p.answer and rng.random() < rate:
+        if p.demo:
+            p = tool_tasks.imperfect(p, rate, seed)
+        elif p.family == "arithmetic" and p.solution != p.answer and rng.random() < rate:
             columns = 1 if "*" in p.question else max(max_digits, *(len(t) for t in p.question.split()[2::2]))
             slip = (rng.randrange(columns), rng.choice((-1, 1)))
             p = dataclasses.replace(p, solution=worked_solution(p.question, max_digits, slip))
@@ -150,9 +157,10 @@ def make_problems(
             length is drawn uniformly from 1..max_digits, then its value among the numbers of that length.
         worked: arithmetic solutions show their column-by-column steps (`worked_solution`); False: the bare answer.
     """
-    unknown = [f for f in families if f not in _GENERATORS]
+    known = (*_GENERATORS, *_TOOL_GENERATORS)
+    unknown = [f for f in families if f not in known]
     if unknown or not families:
-        raise ValueError(f"unknown families {unknown or list(families)}; known: {', '.join(_GENERATORS)}")
+        raise ValueError(f"unknown families {unknown or list(families)}; known: {', '.join(known)}")
     if max_digits < 1:
         raise ValueError(f"max_digits must be >= 1, got {max_digits}")
     rngs = {f: random.Random(f"{seed}-{f}") for f in families}
@@ -162,7 +170,10 @@ def make_problems(
     for i in range(n):
         family = families[i % len(families)]
         for _ in range(10_000):
-            question, answer = _GENERATORS[family](rngs[family], max_digits)
+            if family in _TOOL_GENERATORS:
+                kind, question, answer, demo = _TOOL_GENERATORS[family](rngs[family])
+            else:
+                kind, (question, answer), demo = family, _GENERATORS[family](rngs[family], max_digits), ()
             if question not in seen:
                 break
         else:
@@ -171,7 +182,7 @@ def make_problems(
             )
         seen.add(question)
         solution = worked_solution(question, max_digits) if worked and family == "arithmetic" else answer
-        problems.append(Problem(f"{family}-{counts[family]:05d}", family, question, answer, solution))
+        problems.append(Problem(f"{family}-{counts[family]:05d}", kind, question, answer, solution, demo))
         counts[family] += 1
     return problems
 
@@ -198,15 +209,25 @@ def _assistant(text: str) -> list[dict]:
     return [{"role": "assistant", "content": text}]
 
 
+def _reply(p: Problem) -> list[dict]:
+    return tool_tasks.demonstration(p) if p.demo else _assistant(p.solution)
+
+
+def _meta(p: Problem) -> str:
+    needs = tool_tasks.needs_tool(p.family)
+    return json.dumps({"family": p.family} if needs is None else {"family": p.family, "needs_tool": needs})
+
+
 def prompts_table(problems: Sequence[Problem]) -> pa.Table:
-    """A `prompts` table: one user message per problem, its answer, and meta {"family": ...}."""
+    """A `prompts` table: one user message per problem, its answer, and meta {"family": ...} (tool families: and
+    "needs_tool")."""
     return validate_table(
         pa.table(
             {
                 "prompt_id": [p.prompt_id for p in problems],
                 "messages": [_user(p.question) for p in problems],
                 "answer": [p.answer for p in problems],
-                "meta": [json.dumps({"family": p.family}) for p in problems],
+                "meta": [_meta(p) for p in problems],
             }
         ),
         "prompts",
@@ -215,11 +236,12 @@ def prompts_table(problems: Sequence[Problem]) -> pa.Table:
 
 
 def sft_table(problems: Sequence[Problem]) -> pa.Table:
-    """An `sft` table: [user question, assistant solution] per problem (plus prompt_id)."""
+    """An `sft` table: [user question, assistant solution] per problem (tool families: the demonstration's turns),
+    plus prompt_id."""
     return validate_table(
         pa.table(
             {
-                "messages": [_user(p.question) + _assistant(p.solution) for p in problems],
+                "messages": [_user(p.question) + _reply(p) for p in problems],
                 "prompt_id": [p.prompt_id for p in problems],
             }
         ),
@@ -229,7 +251,7 @@ def sft_table(problems: Sequence[Problem]) -> pa.Table:
 
 
 def _qa_line(p: Problem) -> str:
-    return f"Q: {p.question} A: {p.solution}"
+    return f"Q: {p.question} A: {' '.join(m['content'] for m in _reply(p))}"
 
 
 def text_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
@@ -247,7 +269,7 @@ def text_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
 def wrong_answer(problem: Problem, rng: random.Random) -> str:
     """A plausible wrong answer: off by one or two digits swapped (arithmetic), the letters shuffled (reverse)."""
     answer = problem.answer
-    if problem.family == "arithmetic":
+    if problem.family == "arithmetic" or answer.isdigit():
         value = int(answer)
         candidates = [str(value + 1)] + ([str(value - 1)] if value > 0 else [])
         if len(answer) >= 2 and answer[-1] != answer[-2] and not (len(answer) == 2 and answer[-1] == "0"):
@@ -295,6 +317,7 @@ def corpus_for_tokenizer(problems: Sequence[Problem]) -> list[str]:
         [p.question for p in problems]
         + [p.solution for p in problems]
         + [_qa_line(p) for p in problems]
+        + tool_tasks.tool_texts(problems)
         + list(FILLER_SENTENCES)
         + ["system\n", "user\n", "assistant\n", "tool\n"]
     )

@@ -116,20 +116,20 @@ def score_rollouts(
             components[i][RM_COMPONENT] = s
             rewards[i] += cfg.reward_model_weight * s
     turns = table.column("turns").to_pylist()
-    for i, t in enumerate(turns):  # multi-turn rows: what the tools returned as reward, and the price of each call
+    for i, t in enumerate(turns):  # multi-turn rows: the tools' and environment's rewards, and the price of each call
         if t is None:
             continue
-        tool_turns = [s for s in json.loads(t) if s["role"] == "tool"]
-        components[i][TOOL_REWARD_COMPONENT] = sum(float(s.get("reward", 0.0)) for s in tool_turns)
+        segments = json.loads(t)
+        tool_turns = [s for s in segments if s["role"] == "tool"]
+        components[i][TOOL_REWARD_COMPONENT] = sum(
+            float(s.get("reward", 0.0)) for s in segments if s["role"] != "assistant"
+        )
         components[i][TOOL_CALLS_COMPONENT] = float(len(tool_turns))
         rewards[i] += components[i][TOOL_REWARD_COMPONENT] - cfg.tool_call_cost * len(tool_turns)
     if cfg.overlong_max_tokens is not None:  # policy tokens only: tool output is not the policy's length
-        masks = table.column("response_mask").to_pylist()
-        lengths = [
-            sum(m) if m is not None else len(x)
-            for x, m in zip(table.column("response_ids").to_pylist(), masks, strict=True)
-        ]
-        terms = overlong_penalty(lengths, cfg.overlong_max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        from posttrain_core.rollout.engine import policy_lengths
+
+        terms = overlong_penalty(policy_lengths(table), cfg.overlong_max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
         for i, t in enumerate(terms):
             components[i][OVERLONG_COMPONENT] = t
             rewards[i] += t

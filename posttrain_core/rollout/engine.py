@@ -20,6 +20,13 @@ ROLLOUT_COLUMNS: tuple[str, ...] = tuple(SCHEMAS["rollouts"].names)
 SINGLE_TURN = {"response_mask": None, "turns": None, "num_turns": 1, "num_tool_calls": 0, "tool_errors": 0}
 
 
+def policy_lengths(rollouts: pa.Table) -> list[int]:
+    """Tokens the policy sampled in each row: mask-1 tokens (tool turns are not the policy's length), or all of a
+    single-turn row's."""
+    ids, masks = rollouts.column("response_ids").to_pylist(), rollouts.column("response_mask").to_pylist()
+    return [sum(m) if m is not None else len(x) for x, m in zip(ids, masks, strict=True)]
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """Plain, picklable sampling parameters (built from a rollout or eval config; crosses the Ray boundary)."""

@@ -14,13 +14,15 @@ prefix as a prefix of the longer chat (one that rewrites history) is refused, na
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain_core.rollout.environments import Environments, environment_seed
 from posttrain_core.rollout.tools import PARSERS, ToolBox, ToolCall, ToolResult
+
+Caller = ToolBox | Environments  # what runs the calls: stateless tools, or one environment instance per trajectory
 
 # sample(contexts, seeds) -> per context {"response_ids", "logprobs", "finish_reason"}: one assistant turn each, at
 # most the sampling settings' max_tokens (an engine's `_sample` with its settings bound)
@@ -34,6 +36,7 @@ class ToolSettings:
     """The multi-turn limits (from `RolloutConfig`; plain and picklable, it crosses the Ray boundary)."""
 
     tools: tuple[str, ...]
+    environment: str | None = None
     parser: str = "hermes"
     max_turns: int = 4
     max_tool_calls_per_turn: int = 1
@@ -53,6 +56,10 @@ class Trajectory:
     turns: list[dict] = field(default_factory=list)
     finish: str | None = None
     last_text: str = ""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.prompt_id, self.sample_index
 
     def append(self, ids: list[int], logprobs: list[float] | None) -> tuple[int, int]:
         start = len(self.response_ids)
@@ -107,38 +114,36 @@ def run(
     trajectories: list[Trajectory],
     seeds: Callable[[Trajectory, int], int],
     settings: ToolSettings,
-    toolbox: ToolBox,
+    caller: Caller,
 ) -> None:
-    """Run every trajectory to its end (in place): "stop" (a turn with no tool call), "length" (the token budget)
-    or "max_turns" (still calling tools after the last turn).
+    """Run every trajectory to its end (in place): "stop" (a turn with no tool call, or the environment said done),
+    "length" (the token budget) or "max_turns" (still calling tools after the last turn).
 
     Args:
         generate: the engine's token-level sampler.
         delta: the chat template's tool turns, for the tokenizer the engine samples with.
         seeds: the seed of a trajectory's turn (each turn its own stream: same seed, same trajectories).
+        caller: runs the calls of a turn (its owners are the trajectories' `key`s).
     """
     parse = PARSERS[settings.parser]
     tokenizer = delta.tokenizer
-    # Not a `with` block: leaving one waits for every thread, and a hung tool must not hang the rollout.
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="posttrain-tool")
-    try:
-        for turn in range(settings.max_turns):
-            active = [t for t in trajectories if t.finish is None]
-            if not active:
-                break
-            contexts = [t.prompt_ids + t.response_ids for t in active]
-            outs = generate(contexts, [seeds(t, turn) for t in active])
-            calling: list[tuple[Trajectory, list[ToolCall]]] = []
-            for t, out in zip(active, outs, strict=True):
-                calls = _append_assistant_turn(t, out, tokenizer, parse, settings)
-                if calls:
-                    calling.append((t, calls))
-            all_calls = [c for _, calls in calling for c in calls]
-            results = iter(toolbox.call_all(all_calls, pool, settings.tool_timeout_s))
-            for t, calls in calling:
-                _append_tool_turns(t, calls, [next(results) for _ in calls], delta, tokenizer, settings)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    for turn in range(settings.max_turns):
+        active = [t for t in trajectories if t.finish is None]
+        if not active:
+            break
+        contexts = [t.prompt_ids + t.response_ids for t in active]
+        outs = generate(contexts, [seeds(t, turn) for t in active])
+        calling: list[tuple[Trajectory, list[ToolCall]]] = []
+        for t, out in zip(active, outs, strict=True):
+            calls = _append_assistant_turn(t, out, tokenizer, parse, settings)
+            if calls:
+                calling.append((t, calls))
+        owners = [t.key for t, calls in calling for _ in calls]
+        results = iter(caller.call_all([c for _, calls in calling for c in calls], settings.tool_timeout_s, owners))
+        for t, calls in calling:
+            done = _append_tool_turns(t, calls, [next(results) for _ in calls], delta, tokenizer, settings)
+            if done and t.finish is None:
+                t.finish = "stop"
     for t in trajectories:
         if t.finish is None:
             t.finish = "max_turns"
@@ -167,7 +172,8 @@ def _append_assistant_turn(
 def _append_tool_turns(
     t: Trajectory, calls: list[ToolCall], results: list[ToolResult], delta: TemplateDelta, tokenizer: Any,
     settings: ToolSettings,
-) -> None:  # fmt: skip
+) -> bool:  # fmt: skip
+    """Append the turn's tool results; whether the environment ended the episode."""
     messages = []
     for r in results:
         ids = tokenizer(r.content, add_special_tokens=False)["input_ids"]
@@ -178,13 +184,14 @@ def _append_tool_turns(
     ids = delta.ids(messages)
     if len(t.response_ids) + len(ids) > settings.max_total_tokens:
         t.finish = "length"
-        return
+        return False
     span = t.append(ids, None)
     for c, r, m in zip(calls, results, messages, strict=True):
         t.turns.append(
             {"role": "tool", "span": list(span), "name": c.name, "content": m["content"], "status": r.status,
              "latency_ms": r.latency_ms, "reward": r.reward}
         )  # fmt: skip
+    return any(r.done for r in results)
 
 
 def row(t: Trajectory) -> dict:
@@ -214,24 +221,52 @@ def row(t: Trajectory) -> dict:
 def generate_rows(generate: TokenGenerate, tokenizer: Any, prompts: Any, params: Any, policy_digest: str) -> list[dict]:
     """`params.n` trajectories of every prompt row (a `prompts` table) as `rollouts` rows, for an engine whose
     token-level sampler is `generate`. Turn 0 of a sample draws the stream a single-turn sample would; turn k > 0
-    its own, so the same seed gives the same trajectories."""
+    its own, so the same seed gives the same trajectories. With an environment, each trajectory's instance is reset
+    first (its observation joins the prompt as a user message), its final `reward()` becomes a last `turns` segment
+    {"role": "environment", "reward": r}, and every instance is closed at the end."""
     from posttrain_core.rollout.hf_engine import sample_seed
 
     settings: ToolSettings = params.tools
-    toolbox = ToolBox(settings.tools)
-    delta = TemplateDelta(tokenizer, toolbox.schemas)
-    ids = prompts.column("prompt_id").to_pylist()
-    answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(ids)
-    encoded = [delta.prompt_ids(m) for m in prompts.column("messages").to_pylist()]
-    trajectories = [Trajectory(pid, k, encoded[i]) for i, pid in enumerate(ids) for k in range(params.n)]
+    caller: Caller = Environments(settings.environment) if settings.environment else ToolBox(settings.tools)
+    try:
+        delta = TemplateDelta(tokenizer, caller.schemas)
+        rows = prompts.to_pylist()
+        trajectories = [Trajectory(r["prompt_id"], k, []) for r in rows for k in range(params.n)]
+        encoded: dict[str, list[int]] = {}
+        for t, r in zip(trajectories, (r for r in rows for _ in range(params.n)), strict=True):
+            messages = list(r["messages"])
+            if isinstance(caller, Environments):
+                first = caller.reset(t.key, _env_row(r), settings.tool_timeout_s)
+                messages += [{"role": "user", "content": first}] if first is not None else []
+            text = json.dumps(messages)
+            if text not in encoded:
+                encoded[text] = delta.prompt_ids(messages)
+            t.prompt_ids = encoded[text]
 
-    def seed(t: Trajectory, turn: int) -> int:
-        return sample_seed(params.seed, t.prompt_id if turn == 0 else f"{t.prompt_id}\x1eturn{turn}", t.sample_index)
+        def seed(t: Trajectory, turn: int) -> int:
+            return sample_seed(
+                params.seed, t.prompt_id if turn == 0 else f"{t.prompt_id}\x1eturn{turn}", t.sample_index
+            )
 
-    run(generate, delta, trajectories, seed, settings, toolbox)
-    answer_of = dict(zip(ids, answers, strict=True))
+        run(generate, delta, trajectories, seed, settings, caller)
+        if isinstance(caller, Environments):
+            for t in trajectories:
+                final = caller.final_reward(t.key)
+                if final is not None:
+                    t.turns.append({"role": "environment", "reward": final})
+    finally:
+        caller.close()
+    answer_of = {r["prompt_id"]: r.get("answer") for r in rows}
     return [
         {"prompt_id": t.prompt_id, "sample_index": t.sample_index, "prompt_ids": t.prompt_ids,
          "answer": answer_of[t.prompt_id], "policy_digest": policy_digest, **row(t)}
         for t in trajectories
     ]  # fmt: skip
+
+
+def _env_row(r: dict) -> dict:
+    """What an environment's reset sees: prompt_id, answer, messages, seed (a function of prompt_id) and the meta
+    columns."""
+    meta = json.loads(r["meta"]) if r.get("meta") else {}
+    return {**meta, "prompt_id": r["prompt_id"], "answer": r.get("answer"), "messages": r["messages"],
+            "seed": environment_seed(r["prompt_id"])}  # fmt: skip

@@ -37,12 +37,18 @@ def select_prompts(cfg: RolloutConfig, prompts: ArtifactRef, store: ArtifactStor
     return table
 
 
-def prompt_families(prompts: pa.Table) -> dict[str, str | None]:
-    """prompt_id -> the family named in the row's `meta` ({"family": ...}, as the synthetic tasks write it), or None."""
+def prompt_meta(prompts: pa.Table, field: str) -> dict[str, Any]:
+    """prompt_id -> `field` of the row's `meta` (e.g. {"family": ..., "needs_tool": ...}, as the synthetic tasks
+    write it), or None."""
     return {
-        pid: (json.loads(meta) if meta else {}).get("family")
+        pid: (json.loads(meta) if meta else {}).get(field)
         for pid, meta in zip(prompts.column("prompt_id").to_pylist(), prompts.column("meta").to_pylist(), strict=True)
     }
+
+
+def prompt_families(prompts: pa.Table) -> dict[str, str | None]:
+    """prompt_id -> the family named in the row's `meta`, or None."""
+    return prompt_meta(prompts, "family")
 
 
 def check_unique_ids(table: pa.Table, where: str, stage: str) -> None:

@@ -15,10 +15,11 @@ import pyarrow as pa
 
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.plugins import absolute
-from posttrain_core.rollout.engine import SamplingSettings
+from posttrain_core.rollout.engine import SamplingSettings, policy_lengths
+from posttrain_core.rollout.environments import Environments
 from posttrain_core.rollout.multiturn import ToolSettings
 from posttrain_core.rollout.pool import EnginePool, EngineSpec
-from posttrain_core.rollout.prompts import check_context, engine_batches, prompt_families, select_prompts
+from posttrain_core.rollout.prompts import check_context, engine_batches, prompt_families, prompt_meta, select_prompts
 from posttrain_core.rollout.tools import ToolBox
 from posttrain_core.rollout.worker import ENGINE_SECONDS
 
@@ -44,18 +45,22 @@ def tool_settings(cfg: ToolConfig | None) -> ToolSettings | None:
     if cfg is None:
         return None
     return ToolSettings(
-        tools=tuple(absolute(ref) for ref in cfg.tools), parser=cfg.parser, max_turns=cfg.max_turns,
+        tools=tuple(absolute(ref) for ref in cfg.tools),
+        environment=absolute(cfg.environment) if cfg.environment else None, parser=cfg.parser, max_turns=cfg.max_turns,
         max_tool_calls_per_turn=cfg.max_tool_calls_per_turn, tool_timeout_s=cfg.tool_timeout_s,
         max_tool_response_tokens=cfg.max_tool_response_tokens, max_total_tokens=cfg.max_total_tokens,
     )  # fmt: skip
 
 
 def check_tools(cfg: ToolConfig | None, max_tokens: int, field: str) -> int:
-    """Every tool loads and has a schema (before any Ray work); returns the response budget to check against the
-    model's context: max_total_tokens with tools, else `max_tokens`."""
+    """Every tool loads and has a schema, the environment class loads and has reset/step (before any Ray work);
+    returns the response budget to check against the model's context: max_total_tokens with tools, else
+    `max_tokens`."""
     if cfg is None:
         return max_tokens
     ToolBox(tuple(cfg.tools), f"{field}.tools")
+    if cfg.environment:
+        Environments(cfg.environment, f"{field}.environment")
     return cfg.max_total_tokens
 
 
@@ -126,7 +131,7 @@ def generate(
     out = out.sort_by([("_order", "ascending"), ("sample_index", "ascending")])
     engine_seconds = sum(out.column(ENGINE_SECONDS).to_pylist())
     out = out.drop_columns(["_order", ENGINE_SECONDS])
-    lengths = [len(x) for x in out.column("response_ids").to_pylist()]
+    lengths = policy_lengths(out)  # generated tokens: tool turns were not generated
     tokens = sum(lengths)
     metrics = {
         "samples": float(out.num_rows),
@@ -162,7 +167,7 @@ def run_rollout(
 
     Manifest metrics: samples, prompts, tokens, tokens_per_s (generated tokens per second of the engines while they
     generate: tokens / (engine-seconds / num_engines)), wall_tokens_per_s (tokens / wall time, the engines' loading
-    included), response_len_mean / _max (tokens), finish_length_rate, engine_load_s, and for rows an RL update
+    included), response_len_mean / _max (policy tokens), finish_length_rate, engine_load_s, and for rows an RL update
     prefetched generate_overlap_s (engine time spent before this stage asked for the rows); the manifest's
     `engine_load` says how the engines got the policy (started, kept, updated, reloaded, prefetched).
 
@@ -233,7 +238,9 @@ def prefetch_rollout(
 
 def tool_metrics(rollouts: pa.Table, prompts: pa.Table) -> dict[str, float]:
     """Multi-turn metrics of a rollouts table: turns, tool calls and errors per sample, call latency p50/p95 (ms),
-    the max_turns rate, and the share of samples that called a tool per prompt family (meta.family)."""
+    the max_turns rate, the share of samples that called a tool per prompt family (meta.family), and where the
+    prompts' meta says which need a tool (meta.needs_tool), tool-use precision (samples that called a tool where one
+    was needed / all that called one) and recall (samples that needed one and called it / all that needed one)."""
     import json
 
     import numpy as np
@@ -255,12 +262,20 @@ def tool_metrics(rollouts: pa.Table, prompts: pa.Table) -> dict[str, float]:
             "tool_latency_p50_ms": float(np.percentile(latency, 50)),
             "tool_latency_p95_ms": float(np.percentile(latency, 95)),
         }
-    family = prompt_families(prompts)
+    ids = rollouts.column("prompt_id").to_pylist()
+    family, needs = prompt_families(prompts), prompt_meta(prompts, "needs_tool")
     by: dict[str, list[int]] = {}
-    for p, c in zip(rollouts.column("prompt_id").to_pylist(), calls, strict=True):
+    for p, c in zip(ids, calls, strict=True):
         if family.get(p):
             by.setdefault(family[p], []).append(int(c > 0))
     out |= {f"tool_call_rate/{f}": sum(v) / len(v) for f, v in by.items()}
+    labelled = [(bool(needs[p]), c > 0) for p, c in zip(ids, calls, strict=True) if needs.get(p) is not None]
+    if labelled:
+        called, needed = [x for x in labelled if x[1]], [x for x in labelled if x[0]]
+        if called:  # undefined without calls: left out rather than guessed
+            out["tool_precision"] = sum(1 for x in called if x[0]) / len(called)
+        if needed:
+            out["tool_recall"] = sum(1 for x in needed if x[1]) / len(needed)
     return out
 
 

@@ -12,11 +12,13 @@ counts.
 
 from __future__ import annotations
 
-import concurrent.futures
+import dataclasses
+import functools
 import inspect
 import json
 import math
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ class ToolResult:
     status: str  # "ok" | "error" | "timeout"
     reward: float = 0.0
     latency_ms: float = 0.0
+    done: bool = False  # an environment ended the episode
 
 
 # ----------------------------------------------------------------------------------------------------- parsers
@@ -134,43 +137,69 @@ class ToolBox:
             self.functions[name] = fn
             self.schemas.append(schema)
 
-    def call_all(self, calls: list[ToolCall], pool: concurrent.futures.Executor, timeout_s: float) -> list[ToolResult]:
-        """Run calls concurrently on `pool`, each with its own deadline; every failure is an `Error: ...` result,
-        never an exception. A call past its deadline is abandoned (its thread cannot be killed; a tool that may hang
-        for good should run its work in a subprocess of its own)."""
-        started = time.perf_counter()
-        pending: list[concurrent.futures.Future | ToolResult] = []
+    def close(self) -> None:
+        """Nothing to release: tools are plain functions (an environment's instances are closed)."""
+
+    def call_all(self, calls: list[ToolCall], timeout_s: float, owners: list[Any] | None = None) -> list[ToolResult]:
+        """Run calls at once (`run_all`), each under the deadline; every failure is an `Error: ...` result, never
+        an exception. Tools are stateless: `owners` (the calling trajectories) does not matter here."""
+        results: list[ToolResult | None] = []
+        jobs = []
         for call in calls:
             fn = self.functions.get(call.name)
             if call.error:
-                pending.append(ToolResult(f"Error: {call.error}", "error"))
+                results.append(ToolResult(f"Error: {call.error}", "error"))
             elif fn is None:
-                pending.append(
-                    ToolResult(f"Error: unknown tool {call.name!r} (tools: {', '.join(self.functions)})", "error")
-                )
+                known = ", ".join(self.functions)
+                results.append(ToolResult(f"Error: unknown tool {call.name!r} (tools: {known})", "error"))
             else:
                 try:
-                    pending.append(pool.submit(fn, **_bind(fn, call.arguments)))
+                    jobs.append(functools.partial(fn, **_bind(fn, call.arguments)))
+                    results.append(None)
                 except (TypeError, ValueError) as err:
-                    pending.append(ToolResult(f"Error: bad arguments for {call.name}: {err}", "error"))
-        results = []
-        for call, p in zip(calls, pending, strict=True):
-            if isinstance(p, ToolResult):
-                results.append(p)
-                continue
-            left = max(0.0, started + timeout_s - time.perf_counter())
-            try:
-                out = p.result(timeout=left)
-            except concurrent.futures.TimeoutError:
-                p.cancel()
-                results.append(ToolResult(f"Error: {call.name} timed out after {timeout_s:g} s", "timeout"))
-                continue
-            except Exception as err:  # noqa: BLE001 - the tool's error is the model's observation
-                results.append(ToolResult(f"Error: {call.name} raised {type(err).__name__}: {err}", "error"))
-                continue
-            results.append(_result(call.name, out))
-        ms = round((time.perf_counter() - started) * 1000, 3)
-        return [ToolResult(r.content, r.status, r.reward, ms) for r in results]
+                    results.append(ToolResult(f"Error: bad arguments for {call.name}: {err}", "error"))
+        ran = iter(run_all(jobs, timeout_s))
+        out = []
+        for call, r in zip(calls, results, strict=True):
+            if r is None:
+                status, value, ms = next(ran)
+                if status == "timeout":
+                    r = ToolResult(f"Error: {call.name} timed out after {timeout_s:g} s", "timeout", latency_ms=ms)
+                elif status == "error":
+                    r = ToolResult(f"Error: {call.name} raised {type(value).__name__}: {value}", "error", 0.0, ms)
+                else:
+                    r = dataclasses.replace(_result(call.name, value), latency_ms=ms)
+            out.append(r)
+        return out
+
+
+def run_all(jobs: list[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any, float]]:
+    """Run every job on a daemon thread of its own, all at once, and wait at most `timeout_s` for them; per job
+    ("ok", value, ms), ("error", exception, ms) or ("timeout", None, ms).
+
+    A thread per job rather than a pool: a pool queues calls behind hung ones, and a queued call would spend its
+    deadline waiting. A job past the deadline is abandoned, not killed (Python cannot kill a thread): a tool that may
+    hang for good should do its work in a subprocess of its own.
+    """
+    results: list[tuple[str, Any, float]] = [("timeout", None, timeout_s * 1000)] * len(jobs)
+
+    def work(i: int, job: Callable[[], Any]) -> None:
+        started = time.perf_counter()
+        try:
+            value = job()
+        except Exception as err:  # noqa: BLE001 - the job's error is the model's observation
+            results[i] = ("error", err, round((time.perf_counter() - started) * 1000, 3))
+            return
+        results[i] = ("ok", value, round((time.perf_counter() - started) * 1000, 3))
+
+    threads = [threading.Thread(target=work, args=(i, j), daemon=True, name="posttrain-tool") for i, j in
+               enumerate(jobs)]  # fmt: skip
+    for t in threads:
+        t.start()
+    deadline = time.perf_counter() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.perf_counter()))
+    return [("timeout", None, timeout_s * 1000) if t.is_alive() else results[i] for i, t in enumerate(threads)]
 
 
 def _result(name: str, out: Any) -> ToolResult:

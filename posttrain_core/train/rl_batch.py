@@ -93,10 +93,14 @@ class Targets:
     ref_in_update: bool = False  # the driver skipped `prepare`: each micro-step computes its rows' reference log-probs
 
 
+TURN_BINS = 4  # the per-turn log-prob gap: turns 1, 2, 3, and 4 with every later turn
+
+
 @dataclass
 class LogpChecks:
-    """Sums over policy tokens of the engine-vs-trainer log-prob gap and of the KL to the reference, as the trainer
-    sees the sampled batch (old log-probs): the silent failures of RL that every update reports."""
+    """Sums over policy tokens of the engine-vs-trainer log-prob gap (overall and per assistant turn) and of the KL
+    to the reference, as the trainer sees the sampled batch (old log-probs): the silent failures of RL that every
+    update reports."""
 
     tokens: float = 0.0
     mismatch_sum: float = 0.0
@@ -104,6 +108,8 @@ class LogpChecks:
     ref_tokens: float = 0.0
     k1_sum: float = 0.0
     k3_sum: float = 0.0
+    turn_tokens: list[float] = dataclasses.field(default_factory=lambda: [0.0] * TURN_BINS)
+    turn_mismatch: list[float] = dataclasses.field(default_factory=lambda: [0.0] * TURN_BINS)
 
     def add(self, logprobs_B_R: Any, old_logp_B_R: Any, ref_logp_B_R: Any | None, response_mask_B_R: Any) -> None:
         """Add rows: the engine's log-probs, the trainer's old ones, the reference's (or None), the response mask."""
@@ -114,40 +120,56 @@ class LogpChecks:
         self.tokens += float(m_B_R.sum())
         self.mismatch_sum += float(gap.sum())
         self.mismatch_max = max(self.mismatch_max, float(gap.max()) if gap.numel() else 0.0)
+        # assistant turns are the runs of mask-1 tokens: a run starts where the mask rises from 0 (or at column 0)
+        rises = m_B_R.clone()
+        rises[:, 1:] = (m_B_R[:, 1:] > m_B_R[:, :-1]).to(m_B_R.dtype)
+        turn_B_R = (rises.cumsum(dim=1) - 1).clamp(0, TURN_BINS - 1)
+        for b in range(TURN_BINS):
+            sel = m_B_R * (turn_B_R == b)
+            self.turn_tokens[b] += float(sel.sum())
+            self.turn_mismatch[b] += float((gap * sel).sum())
         if ref_logp_B_R is not None:
             self.ref_tokens += float(m_B_R.sum())
             self.k1_sum += float((kl_estimate(old_logp_B_R, ref_logp_B_R, "k1") * m_B_R).sum())
             self.k3_sum += float((kl_estimate(old_logp_B_R, ref_logp_B_R, "k3") * m_B_R).sum())
 
+    def _sums(self) -> list[float]:
+        return [self.tokens, self.mismatch_sum, self.ref_tokens, self.k1_sum, self.k3_sum, *self.turn_tokens,
+                *self.turn_mismatch]  # fmt: skip
+
+    @staticmethod
+    def _of(sums: list[float], mismatch_max: float) -> LogpChecks:
+        t, x, r, k1, k3 = sums[:5]
+        turns = sums[5:]
+        return LogpChecks(t, x, mismatch_max, r, k1, k3, list(turns[:TURN_BINS]), list(turns[TURN_BINS:]))
+
     @staticmethod
     def merge(parts: list[LogpChecks]) -> LogpChecks | None:
         if not parts:
             return None
-        out = LogpChecks()
-        for p in parts:
-            for f in dataclasses.fields(LogpChecks):
-                if f.name != "mismatch_max":
-                    setattr(out, f.name, getattr(out, f.name) + getattr(p, f.name))
-            out.mismatch_max = max(out.mismatch_max, p.mismatch_max)
-        return out
+        sums = [sum(v) for v in zip(*(p._sums() for p in parts), strict=True)]
+        return LogpChecks._of(sums, max(p.mismatch_max for p in parts))
 
     def all_reduce(self) -> LogpChecks:
         """Summed (the maximum: maxed) over the ranks of the process group."""
         import torch
         import torch.distributed as dist
 
-        names = [f.name for f in dataclasses.fields(LogpChecks) if f.name != "mismatch_max"]
-        sums = torch.tensor([getattr(self, n) for n in names], dtype=torch.float64)
+        sums = torch.tensor(self._sums(), dtype=torch.float64)
         top = torch.tensor([self.mismatch_max], dtype=torch.float64)
         dist.all_reduce(sums)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        return LogpChecks(**dict(zip(names, sums.tolist(), strict=True)), mismatch_max=float(top[0]))
+        return LogpChecks._of(sums.tolist(), float(top[0]))
 
     def metrics(self) -> dict[str, float]:
         out = {
             "logp_mismatch_mean": self.mismatch_sum / max(self.tokens, 1.0),
             "logp_mismatch_max": self.mismatch_max,
         }
+        if self.turn_tokens[1]:  # multi-turn rows: the gap per assistant turn (a template or masking bug shows here)
+            for b, (n, x) in enumerate(zip(self.turn_tokens, self.turn_mismatch, strict=True)):
+                if n:
+                    out[f"logp_mismatch_mean/turn{b + 1}"] = x / n  # turn4: the 4th and later turns
         if self.ref_tokens:
             out |= {"kl_k1": self.k1_sum / self.ref_tokens, "kl_k3": self.k3_sum / self.ref_tokens}
         return out
@@ -227,7 +249,7 @@ def load_batch(
     )
     if all(not r for r in batch.response_ids):
         raise ValueError(f"{stage}: every response is empty; nothing to train on")
-    lengths = [len(r) for r in batch.response_ids]
+    lengths = [sum(m) for m in batch.response_mask]  # policy tokens: tool turns are not the policy's length
     outcomes = [rows[i]["correct"] for i in picked if rows[i]["correct"] is not None]
     metrics = {
         "samples": float(len(batch)),
