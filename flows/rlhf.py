@@ -68,7 +68,10 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             critic = policy if rl.uses_critic else None
             metrics = store.manifest(policy)["metrics"]
             run.log_metrics({f"rl/{name}": value for name, value in metrics.items()}, step=k)
-            curve.append(reports.curve_row(k, metrics))
+            sampled_metrics = store.manifest(samples[-1])["metrics"] if config.rollout.tools else None
+            if sampled_metrics:
+                run.log_metrics({f"rollout/{n}": v for n, v in sampled_metrics.items()}, step=k)
+            curve.append(reports.curve_row(k, metrics, sampled_metrics))
             timings.append(reports.iteration_timing(store, k, started, samples, scored, policy))
             if config.eval_every and k % config.eval_every == 0 and k < config.iterations:
                 evals[k] = _evaluate(config, data.eval, policy, k, root, pid, w, sampled=False)
@@ -149,11 +152,16 @@ def _evaluate(
     sampled: bool = True,
 ) -> dict[str, float]:  # fmt: skip
     """Held-out metrics of `policy` at iteration k: greedy accuracy (per family), and sampled pass@k."""
+    kept = ("accuracy", "tool_precision", "tool_recall", "tool_call_rate")
     greedy = evaluate(greedy_eval_config(config), prompts, policy, f"iter={k}", root, pid, warm)
-    metrics = {k_: v for k_, v in ArtifactStore(root).manifest(greedy)["metrics"].items() if k_.startswith("accuracy")}
+    metrics = {k_: v for k_, v in ArtifactStore(root).manifest(greedy)["metrics"].items() if k_.startswith(kept)}
     if sampled and config.eval_samples:
         ref = evaluate(sampled_eval_config(config), prompts, policy, f"iter={k}, sampled", root, pid, warm)
-        metrics |= {f"sampled_{n}": v for n, v in ArtifactStore(root).manifest(ref)["metrics"].items() if "pass@" in n}
+        metrics |= {
+            f"sampled_{n}": v
+            for n, v in ArtifactStore(root).manifest(ref)["metrics"].items()
+            if "pass@" in n or n.startswith(kept[1:])
+        }
     return metrics
 
 
@@ -161,7 +169,7 @@ def _summary(algorithm: str, policy, curve, evals: dict[int, dict], png, run_id:
     first, last = evals[0], evals[max(evals)]
 
     def change(name: str) -> str:
-        return f"**{first[name]:.3f}** -> **{last.get(name, float('nan')):.3f}**"
+        return f"**{first.get(name, float('nan')):.3f}** -> **{last.get(name, float('nan')):.3f}**"
 
     families = ", ".join(f"{k.split('/')[1]} {change(k)}" for k in sorted(first) if k.startswith("accuracy/"))
     lines = [
@@ -175,6 +183,14 @@ def _summary(algorithm: str, policy, curve, evals: dict[int, dict], png, run_id:
             "- held-out sampled accuracy (pass@1 at the rollout temperature): start -> after RL "
             f"{change('sampled_pass@1')}" + (f" ({per_family})" if per_family else "")
         )
+    for prefix, how in (("", "greedy"), ("sampled_", "sampled")):
+        if f"{prefix}tool_precision" in first:
+            lines.append(
+                f"- held-out tool use ({how}): precision {change(f'{prefix}tool_precision')}, recall "
+                f"{change(f'{prefix}tool_recall')}, calls per family "
+                + ", ".join(f"{k.split('/')[1]} {change(k)}" for k in sorted(first)
+                            if k.startswith(f"{prefix}tool_call_rate/"))
+            )  # fmt: skip
     return "\n".join(
         [
             f"## posttrain RLHF result ({algorithm}, {len(curve)} iterations)",
@@ -182,7 +198,7 @@ def _summary(algorithm: str, policy, curve, evals: dict[int, dict], png, run_id:
             f"- final policy: `{policy.uri}`",
             f"- reward curve: `{png}`",
             "",
-            reports.markdown_table(curve),
+            reports.markdown_table(curve, tuple(curve[0]) if curve else reports.CURVE_COLUMNS),
             "",
             f"- MLflow run: `{run_id}` (browse: `mlflow ui --backend-store-uri {tracking.tracking_uri(root)}`)",
         ]

@@ -9,9 +9,19 @@ from typing import Any
 CURVE_COLUMNS = ("iteration", "reward_mean", "accuracy", "kl_k1", "entropy", "clip_frac", "logp_mismatch_mean")
 
 
-def curve_row(iteration: int, metrics: dict[str, float]) -> dict[str, Any]:
-    """One iteration's row of the curve table (missing metrics are None)."""
-    return {"iteration": iteration, **{k: metrics.get(k) for k in CURVE_COLUMNS[1:]}}
+# multi-turn rollouts: the rollout stage's tool metrics, next to the update's
+TOOL_COLUMNS = ("turns_mean", "tool_calls_per_sample", "tool_error_rate", "tool_latency_p50_ms", "tool_latency_p95_ms",
+                "tool_precision", "tool_recall")  # fmt: skip
+
+
+def curve_row(iteration: int, metrics: dict[str, float], rollout: dict[str, float] | None = None) -> dict[str, Any]:
+    """One iteration's row of the curve table (missing metrics are None); with a multi-turn rollout's metrics, its
+    tool columns and tool-call rate per family too."""
+    row = {"iteration": iteration, **{k: metrics.get(k) for k in CURVE_COLUMNS[1:]}}
+    if rollout is not None:
+        row |= {k: rollout.get(k) for k in TOOL_COLUMNS}
+        row |= {k: v for k, v in sorted(rollout.items()) if k.startswith("tool_call_rate/")}
+    return row
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = CURVE_COLUMNS) -> str:

@@ -26,6 +26,21 @@ TOOL = textwrap.dedent(
             key: the key
         """
         return str(sum(ord(c) for c in key) % 900 + 100)
+
+
+    class Lookups:
+        """The same table as a stateful environment: a small bonus for exactly one lookup."""
+
+        def reset(self, row):
+            self.calls, self.pid = 0, row["prompt_id"]
+            return None
+
+        def step(self, call):
+            self.calls += 1
+            return lookup(call.arguments["__positional__"][0]), 0.0, False
+
+        def reward(self):
+            return 0.1 if self.calls == 1 else 0.0
     '''
 )
 KEYS = ["qz", "ab", "mo", "te"]
@@ -71,7 +86,7 @@ def tool_model(tmp_path_factory) -> dict:
         opt.zero_grad()
     assert loss.item() < 0.05, loss.item()
     model.save_pretrained(str(path), safe_serialization=True)
-    return {"path": str(path), "tool": f"{root / 'my_tools.py'}:lookup"}
+    return {"path": str(path), "tool": f"{root / 'my_tools.py'}:lookup", "env": f"{root / 'my_tools.py'}:Lookups"}
 
 
 def _prompts() -> pa.Table:
@@ -147,19 +162,21 @@ def test_the_vllm_engine_gives_the_same_greedy_trajectories(tool_model, ray_sess
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize(("engine", "kind"), [("hf", "tool"), ("vllm", "env")])
 def test_an_rl_flow_with_a_users_tool(
-    tool_model, engine, tmp_path, session_dir, prefect_api, ray_session, vllm_or_skip
+    tool_model, engine, kind, tmp_path, session_dir, prefect_api, ray_session, vllm_or_skip
 ):
-    """2 GRPO iterations with the tool on each engine: trajectories call it, the update trains on policy tokens only,
-    the rollout stage reports the tool metrics, and a re-run is all cache hits."""
+    """2 GRPO iterations with the user's tool (hf engine) or environment (vLLM engine): trajectories call it, the
+    update trains on policy tokens only and reports the log-prob gap per turn, the rollout stage reports the tool
+    metrics, the environment's final reward reaches the score, and a re-run is all cache hits."""
     from flows.rlhf import rlhf_flow
     from posttrain_core.artifacts import ArtifactStore
     from posttrain_core.config import RLHFFlowConfig
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": _chat(k)[0]["content"], "answer": _code(k)}) + "\n" for k in KEYS))
-    tools = {"tools": [tool_model["tool"]], "parser": "compact", "max_turns": 3, "max_total_tokens": 64}
+    tools = {"tools": [tool_model["tool"]]} if kind == "tool" else {"environment": tool_model["env"]}
+    tools |= {"parser": "compact", "max_turns": 3, "max_total_tokens": 64}
     rollout = dict(engine=engine, n=2, max_prompts=4, max_tokens=16, num_engines=1, tools=tools)
     vllm_or_skip(RolloutConfig(engine=engine))
     config = RLHFFlowConfig(
@@ -173,10 +190,14 @@ def test_an_rl_flow_with_a_users_tool(
     store = ArtifactStore(config.store)
     rollouts = [store.manifest(r) for r in store.list() if store.manifest(r)["stage"] == "rollout"]
     assert len(rollouts) == 2
+    scores = [store.manifest(r)["metrics"] for r in store.list() if store.manifest(r)["stage"] == "score"]
+    bonus = [m["reward/tool_reward"] for m in scores]
+    assert all(b > 0.05 for b in bonus) if kind == "env" else all(b == 0.0 for b in bonus), bonus
     for m in rollouts:
         assert m["metrics"]["tool_calls_per_sample"] > 0.5 and m["metrics"]["tool_error_rate"] == 0.0, m["metrics"]
         assert "tool_latency_p95_ms" in m["metrics"] and m["metrics"]["turns_mean"] >= 1.5
     update = store.manifest(result["policy"])["metrics"]
     assert math.isfinite(update["pg_loss"]) and update["logp_mismatch_mean"] < 1e-2, update
+    assert update["logp_mismatch_mean/turn2"] < 1e-2 and update["response_len_max"] <= 16 * 3, update
     again = rlhf_flow(config)
     assert again["policy"].key == result["policy"].key
