@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: demo demo-real test test-fast server install vllm-env clean bench
+.PHONY: demo demo-real demo-tools test test-fast server install vllm-env clean bench
 
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
@@ -31,6 +31,10 @@ demo: $(STAMP)
 # The same pipeline on a real pretrained model: GRPO with LoRA on SmolLM2-135M-Instruct (docs/real-model.md).
 demo-real: $(STAMP)
 	$(PY) -m flows.real
+
+# Multi-turn RL with tools: the tiny model learns when and how to call a tool (docs/tools.md).
+demo-tools: $(STAMP)
+	$(PY) -m flows.tools
 
 # The vLLM rollout engine's own environment (same Python and ray; vLLM pins fastapi/transformers versions that
 # conflict with Prefect's). Engine actors run in it through Ray's runtime_env.

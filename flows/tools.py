@@ -1,8 +1,8 @@
 """Multi-turn RL with tools on the synthetic tool task: the tiny model learns when and how to call a tool.
 
 The same rlhf flow as `python -m flows.rlhf`, on the `lookup` and `calc` families (posttrain_core.data.tool_tasks):
-codes only the `lookup` tool knows, 3-digit products only the `calc` tool computes, next to easy products by 1, 10
-or 100 that need no tool. SFT warm-starts on demonstrations that use the tools imperfectly (calls skipped, arguments
+codes only the `lookup` tool knows, 3-digit products only the `calc` tool computes, next to products by 0 that need
+no tool. SFT warm-starts on demonstrations that use the tools imperfectly (calls skipped, arguments
 mangled, needless calls); GRPO then rewards a right answer and charges each call (`ScoreConfig.tool_call_cost`), so
 the policy must learn to call where it helps and only there.
     make demo-tools        # or: python -m flows.tools
@@ -30,11 +30,11 @@ def tools_config() -> RLHFFlowConfig:
     return RLHFFlowConfig(
         experiment="posttrain-tools",
         data=DataConfig(families=["lookup", "calc"], n_train=3000, n_eval=200, n_rl_prompts=2000, slip_rate=0.3),
-        sft=SFTConfig(max_steps=600),
-        iterations=10,
+        sft=SFTConfig(max_steps=1500),
+        iterations=20,
         rollout=RolloutConfig(n=8, max_prompts=64, max_tokens=24, tools=tools),
-        score=ScoreConfig(verifiers={"numeric": 1.0}, tool_call_cost=0.1),
-        rl=RLConfig(algorithm="grpo", mini_batches=4),
+        score=ScoreConfig(verifiers={"numeric": 1.0}, tool_call_cost=0.2),
+        rl=RLConfig(algorithm="grpo", lr=2e-4, mini_batches=4),
         eval=EvalConfig(verifier="numeric", max_new_tokens=24),
         eval_samples=4,
     )
@@ -43,4 +43,8 @@ def tools_config() -> RLHFFlowConfig:
 if __name__ == "__main__":
     from flows.rlhf import main
 
-    main(tools_config())
+    result = main(tools_config())
+    before, after = result["eval"][0], result["eval"][max(result["eval"])]
+    for name in ("sampled_tool_precision", "sampled_tool_recall", "tool_precision", "tool_recall"):
+        print(f"held-out {name.replace('_', ' ')}: start {before.get(name, float('nan')):.3f} -> after RL "
+              f"{after.get(name, float('nan')):.3f}")  # fmt: skip

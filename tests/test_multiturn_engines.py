@@ -196,6 +196,7 @@ def test_an_rl_flow_with_a_users_tool(
     for m in rollouts:
         assert m["metrics"]["tool_calls_per_sample"] > 0.5 and m["metrics"]["tool_error_rate"] == 0.0, m["metrics"]
         assert "tool_latency_p95_ms" in m["metrics"] and m["metrics"]["turns_mean"] >= 1.5
+    assert all(row["turns_mean"] >= 1.5 and row["tool_error_rate"] == 0.0 for row in result["curve"])  # Prefect table
     update = store.manifest(result["policy"])["metrics"]
     assert math.isfinite(update["pg_loss"]) and update["logp_mismatch_mean"] < 1e-2, update
     assert update["logp_mismatch_mean/turn2"] < 1e-2 and update["response_len_max"] <= 16 * 3, update

@@ -4,8 +4,10 @@ Two families of the synthetic data (`DataConfig.families`):
 - `lookup`: "What is the code of kqz?" The code of a key is a hash that only the `lookup` tool knows: guessing it is
   right one time in 900.
 - `calc`: products of two 3-digit numbers ("What is 347 * 582?", which a tiny model cannot do in its head: the
-  `calc` tool can), next to easy products by 1, 10 or 100 ("What is 347 * 10?") that it can, without the tool. Their
-  meta family is `calc-easy`, so accuracy and tool-call rate are reported apart.
+  `calc` tool can), next to easy products by 0 ("What is 347 * 0?", "What is 0 * 347?") that it answers reliably
+  without the tool. Their meta family is `calc-easy`, so accuracy and tool-call rate are reported apart. (Products
+  by 1, 10 or 100 were tried as the easy ones: the tiny model copies three digits from the question unreliably, so
+  RL rightly kept calling the tool on them; bench/NOTES.md.)
 
 Every problem's `meta` says whether it needs a tool (`needs_tool`); rollout and evaluation metrics then report tool-use
 precision (calls made where a tool was needed / all calls) and recall.
@@ -72,13 +74,13 @@ def generate_lookup(rng: random.Random) -> tuple[str, str, str, tuple]:
 
 
 def generate_calc(rng: random.Random) -> tuple[str, str, str, tuple]:
-    """(family, question, answer, demonstration) of one `calc` problem: a hard product or an easy one."""
+    """(family, question, answer, demonstration) of one `calc` problem: a hard product or one by 0."""
     a = rng.randint(100, 999)
     if rng.random() < 0.5:
         b = rng.randint(100, 999)
         return "calc", f"What is {a} * {b}?", str(a * b), _used(f"calc {a} * {b}", str(a * b))
-    b = rng.choice((1, 10, 100))
-    return "calc-easy", f"What is {a} * {b}?", str(a * b), (("assistant", _answer(str(a * b))),)
+    a, b = (a, 0) if rng.random() < 0.5 else (0, a)
+    return "calc-easy", f"What is {a} * {b}?", "0", (("assistant", _answer("0")),)
 
 
 def _used(call: str, result: str) -> tuple:
