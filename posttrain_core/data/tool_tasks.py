@@ -4,10 +4,11 @@ Two families of the synthetic data (`DataConfig.families`):
 - `lookup`: "What is the code of kqz?" The code of a key is a hash that only the `lookup` tool knows: guessing it is
   right one time in 900.
 - `calc`: products of two 3-digit numbers ("What is 347 * 582?", which a tiny model cannot do in its head: the
-  `calc` tool can), next to easy products by 0 ("What is 347 * 0?", "What is 0 * 347?") that it answers reliably
-  without the tool. Their meta family is `calc-easy`, so accuracy and tool-call rate are reported apart. (Products
-  by 1, 10 or 100 were tried as the easy ones: the tiny model copies three digits from the question unreliably, so
-  RL rightly kept calling the tool on them; bench/NOTES.md.)
+  `calc` tool can), next to easy products by 0 or 1 ("What is 347 * 0?", "What is 0 * 347?", "What is 347 * 1?")
+  that it answers reliably without the tool. Their meta family is `calc-easy`, so accuracy and tool-call rate are
+  reported apart. The easy ones must be easy for the model: with products by 10 and 100 its head answers were
+  unreliable and RL rightly kept calling the tool on them; with products by 0 alone it never learned to copy digits
+  (bench/NOTES.md).
 
 Every problem's `meta` says whether it needs a tool (`needs_tool`); rollout and evaluation metrics then report tool-use
 precision (calls made where a tool was needed / all calls) and recall.
@@ -79,8 +80,8 @@ def generate_calc(rng: random.Random) -> tuple[str, str, str, tuple]:
     if rng.random() < 0.5:
         b = rng.randint(100, 999)
         return "calc", f"What is {a} * {b}?", str(a * b), _used(f"calc {a} * {b}", str(a * b))
-    a, b = (a, 0) if rng.random() < 0.5 else (0, a)
-    return "calc-easy", f"What is {a} * {b}?", "0", (("assistant", _answer("0")),)
+    a, b = rng.choice(((a, 0), (0, a), (a, 1)))
+    return "calc-easy", f"What is {a} * {b}?", str(a * b), (("assistant", _answer(str(a * b))),)
 
 
 def _used(call: str, result: str) -> tuple:
