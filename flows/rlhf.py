@@ -33,6 +33,7 @@ from tasks.rollout import rollout, score
 from tasks.train import pretrain, sft
 
 SAMPLED_EVAL_SEED = 7_777  # the held-out samples' own seed: the same prompts and streams before and after RL
+TOOL_USE = ("tool_precision", "tool_recall", "tool_call_rate")  # held-out metrics of evaluations with tools
 
 
 @flow(name="rlhf", log_prints=True)
@@ -152,15 +153,18 @@ def _evaluate(
     sampled: bool = True,
 ) -> dict[str, float]:  # fmt: skip
     """Held-out metrics of `policy` at iteration k: greedy accuracy (per family), and sampled pass@k."""
-    kept = ("accuracy", "tool_precision", "tool_recall", "tool_call_rate")
     greedy = evaluate(greedy_eval_config(config), prompts, policy, f"iter={k}", root, pid, warm)
-    metrics = {k_: v for k_, v in ArtifactStore(root).manifest(greedy)["metrics"].items() if k_.startswith(kept)}
+    metrics = {
+        k_: v
+        for k_, v in ArtifactStore(root).manifest(greedy)["metrics"].items()
+        if k_.startswith(("accuracy", *TOOL_USE))
+    }
     if sampled and config.eval_samples:
         ref = evaluate(sampled_eval_config(config), prompts, policy, f"iter={k}, sampled", root, pid, warm)
         metrics |= {
             f"sampled_{n}": v
             for n, v in ArtifactStore(root).manifest(ref)["metrics"].items()
-            if "pass@" in n or n.startswith(kept[1:])
+            if "pass@" in n or n.startswith(TOOL_USE)
         }
     return metrics
 

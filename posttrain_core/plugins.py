@@ -1,6 +1,6 @@
 """User code referenced from a config: `"package.module:name"` or `"path/to/file.py:name"`, loaded by reference.
 
-Reward functions, policy losses, advantage estimators (and later tools and environments) are plugged in this way,
+Reward functions, policy losses, advantage estimators, tools and environments are plugged in this way,
 without editing posttrain. A reference is checked before any Ray work (a bad one fails naming the config field), its
 source is part of the key of every stage that runs it (editing the code re-runs the stage; an unchanged file is a
 cache hit), and Ray workers load it again by the same reference, so it must import there too.
@@ -14,6 +14,9 @@ import importlib
 import importlib.util
 import re
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +102,34 @@ def _file_module(path: str, mtime_ns: int):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_all(
+    jobs: list[Callable[[], Any]], timeout_s: float, name: str = "posttrain-user-code"
+) -> list[tuple[str, Any, float]]:
+    """Run user code (tools, environment steps, reward functions) on a daemon thread per job, all at once, waiting at
+    most `timeout_s` for them; per job ("ok", value, ms), ("error", exception, ms) or ("timeout", None, ms).
+
+    A thread per job rather than a pool: a pool queues calls behind hung ones, and a queued call would spend its
+    deadline waiting. A job past the deadline is abandoned, not killed (Python cannot kill a thread): code that may
+    hang for good should do its work in a subprocess of its own. Any failure of user code is its result, never the
+    caller's exception (BaseException too: a `sys.exit` in a tool must not read as a timeout).
+    """
+    results: list[tuple[str, Any, float]] = [("timeout", None, timeout_s * 1000)] * len(jobs)
+
+    def work(i: int, job: Callable[[], Any]) -> None:
+        started = time.perf_counter()
+        try:
+            value = job()
+        except BaseException as err:  # noqa: BLE001 - see the docstring
+            results[i] = ("error", err, round((time.perf_counter() - started) * 1000, 3))
+            return
+        results[i] = ("ok", value, round((time.perf_counter() - started) * 1000, 3))
+
+    threads = [threading.Thread(target=work, args=(i, j), daemon=True, name=name) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    deadline = time.perf_counter() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.perf_counter()))
+    return [("timeout", None, timeout_s * 1000) if t.is_alive() else results[i] for i, t in enumerate(threads)]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -170,17 +169,9 @@ def _contained(call: Callable[[], Any]) -> tuple[Any, str | None]:
 def _with_timeout(call: Callable[[], Any], timeout_s: float) -> tuple[Any, str | None]:
     """(result, None), or (None, the traceback or 'timed out') when it raised or ran past `timeout_s`. A call past
     its time keeps running in its daemon thread; nothing waits for it."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException:  # noqa: BLE001 - any failure of user code is the sample's
-            box["error"] = traceback.format_exc(limit=8)
-
-    thread = threading.Thread(target=run, daemon=True, name="posttrain-reward")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
+    [(status, value, _)] = plugins.run_all([call], timeout_s, "posttrain-reward")
+    if status == "timeout":
         return None, f"timed out after {timeout_s:g} s"
-    return box.get("value"), box.get("error")
+    if status == "error":
+        return None, "".join(traceback.format_exception(value, limit=8))
+    return value, None

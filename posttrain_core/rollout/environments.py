@@ -27,7 +27,7 @@ import math
 from typing import Any
 
 from posttrain_core import plugins
-from posttrain_core.rollout.tools import ToolCall, ToolResult, run_all
+from posttrain_core.rollout.tools import ToolCall, ToolResult, is_number, tool_schema
 
 REQUIRED = ("reset", "step")
 log = logging.getLogger(__name__)
@@ -47,8 +47,6 @@ class Environments:
     """
 
     def __init__(self, reference: str, config_field: str = "rollout.tools.environment"):
-        from transformers.utils import get_json_schema
-
         self.reference, self.field = reference, config_field
         self.cls = plugins.load(reference, config_field)
         if not inspect.isclass(self.cls):
@@ -56,10 +54,10 @@ class Environments:
         missing = [m for m in REQUIRED if not callable(getattr(self.cls, m, None))]
         if missing:
             raise ValueError(f"{config_field}: {reference!r} has no {' or '.join(missing)} method")
-        try:
-            self.schemas = [get_json_schema(fn) for fn in getattr(self.cls, "tools", ())]
-        except Exception as err:  # noqa: BLE001 - transformers raises several types for a bad docstring
-            raise ValueError(f"{config_field}: {reference!r}.tools: {type(err).__name__}: {err}") from err
+        where = f"{config_field}: {reference!r}.tools"
+        self.schemas = [
+            tool_schema(fn, f"{where}: {getattr(fn, '__name__', fn)!r}") for fn in getattr(self.cls, "tools", ())
+        ]
         self.instances: dict[Any, Any] = {}
         self.hung: set[Any] = set()
 
@@ -72,7 +70,7 @@ class Environments:
                 something the policy did).
         """
         where = f"{self.field} {self.reference!r}, prompt {row.get('prompt_id')!r}"
-        [(status, first, _)] = run_all([functools.partial(self._start, owner, row)], timeout_s)
+        [(status, first, _)] = plugins.run_all([functools.partial(self._start, owner, row)], timeout_s, "posttrain-env")
         if status == "timeout":
             self.hung.add(owner)
             raise RuntimeError(f"{where}: reset took longer than {timeout_s:g} s")
@@ -88,15 +86,16 @@ class Environments:
         return env.reset(row)
 
     def call_all(self, calls: list[ToolCall], timeout_s: float, owners: list[Any] | None = None) -> list[ToolResult]:
-        """Step each owner's instance with its calls, in order; owners run at once (`run_all`), under the deadline."""
+        """Step each owner's instance with its calls, in order; owners run at once (`plugins.run_all`), under the
+        deadline."""
         by_owner: dict[Any, list[int]] = {}
         for i, owner in enumerate(owners or []):
             by_owner.setdefault(owner, []).append(i)
-        ran = run_all([functools.partial(self._steps, o, [calls[i] for i in idx]) for o, idx in by_owner.items()],
-                      timeout_s)  # fmt: skip
+        jobs = [functools.partial(self._steps, o, [calls[i] for i in idx]) for o, idx in by_owner.items()]
+        ran = plugins.run_all(jobs, timeout_s, "posttrain-env")
         results: list[ToolResult | None] = [None] * len(calls)
         for (owner, idx), (status, got, ms) in zip(by_owner.items(), ran, strict=True):
-            if status != "ok":  # _steps catches the environment's errors: only a timeout gets here
+            if status != "ok":  # _steps catches the environment's exceptions: a timeout (or a BaseException) gets here
                 self.hung.add(owner)
                 got = [ToolResult(f"Error: the environment timed out after {timeout_s:g} s", "timeout", done=True)]
                 got += [ToolResult("Error: not run (the environment timed out)", "error", done=True)] * (len(idx) - 1)
@@ -126,7 +125,7 @@ class Environments:
         if owner in self.hung or env is None or not callable(getattr(env, "reward", None)):
             return None
         value = env.reward()
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if not is_number(value) or not math.isfinite(value):
             raise RuntimeError(f"{self.field} {self.reference!r}: reward() must return a finite number, got {value!r}")
         return float(value)
 
@@ -145,7 +144,7 @@ def _step_result(got: Any) -> ToolResult:
     if not (isinstance(got, tuple) and len(got) == 3):
         return ToolResult(f"Error: step must return (observation, reward, done), got {got!r}", "error")
     observation, reward, done = got
-    if not isinstance(observation, str) or isinstance(reward, bool) or not isinstance(reward, int | float):
+    if not isinstance(observation, str) or not is_number(reward):
         return ToolResult(f"Error: step must return (str, float, bool), got {got!r}", "error")
     if not math.isfinite(reward):
         return ToolResult(f"Error: step returned a non-finite reward {reward!r}", "error")

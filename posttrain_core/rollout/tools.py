@@ -18,8 +18,6 @@ import inspect
 import json
 import math
 import re
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,19 +116,11 @@ class ToolBox:
     schemas: list[dict] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        from transformers.utils import get_json_schema
-
         for ref in self.references:
             fn = plugins.load(ref, self.config_field)
             if not callable(fn):
                 raise ValueError(f"{self.config_field}: {ref!r} is not a function")
-            try:
-                schema = get_json_schema(fn)
-            except Exception as err:  # noqa: BLE001 - transformers raises several types for a bad docstring
-                raise ValueError(
-                    f"{self.config_field}: {ref!r} needs type hints and a Google-style docstring with an Args section "
-                    f"({type(err).__name__}: {err})"
-                ) from err
+            schema = tool_schema(fn, f"{self.config_field}: {ref!r}")
             name = schema["function"]["name"]
             if name in self.functions:
                 raise ValueError(f"{self.config_field}: two tools are named {name!r}")
@@ -141,7 +131,7 @@ class ToolBox:
         """Nothing to release: tools are plain functions (an environment's instances are closed)."""
 
     def call_all(self, calls: list[ToolCall], timeout_s: float, owners: list[Any] | None = None) -> list[ToolResult]:
-        """Run calls at once (`run_all`), each under the deadline; every failure is an `Error: ...` result, never
+        """Run calls at once (`plugins.run_all`), each under the deadline; every failure is an `Error: ...` result, never
         an exception. Tools are stateless: `owners` (the calling trajectories) does not matter here."""
         results: list[ToolResult | None] = []
         jobs = []
@@ -158,7 +148,7 @@ class ToolBox:
                     results.append(None)
                 except (TypeError, ValueError) as err:
                     results.append(ToolResult(f"Error: bad arguments for {call.name}: {err}", "error"))
-        ran = iter(run_all(jobs, timeout_s))
+        ran = iter(plugins.run_all(jobs, timeout_s, "posttrain-tool"))
         out = []
         for call, r in zip(calls, results, strict=True):
             if r is None:
@@ -173,40 +163,28 @@ class ToolBox:
         return out
 
 
-def run_all(jobs: list[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any, float]]:
-    """Run every job on a daemon thread of its own, all at once, and wait at most `timeout_s` for them; per job
-    ("ok", value, ms), ("error", exception, ms) or ("timeout", None, ms).
+def tool_schema(fn: Callable[..., Any], where: str) -> dict:
+    """`fn`'s JSON schema for the chat template's `tools=` (ValueError naming `where` when it has none)."""
+    from transformers.utils import get_json_schema
 
-    A thread per job rather than a pool: a pool queues calls behind hung ones, and a queued call would spend its
-    deadline waiting. A job past the deadline is abandoned, not killed (Python cannot kill a thread): a tool that may
-    hang for good should do its work in a subprocess of its own.
-    """
-    results: list[tuple[str, Any, float]] = [("timeout", None, timeout_s * 1000)] * len(jobs)
+    try:
+        return get_json_schema(fn)
+    except Exception as err:  # noqa: BLE001 - transformers raises several types for a bad docstring
+        raise ValueError(
+            f"{where} needs type hints and a Google-style docstring with an Args section ({type(err).__name__}: {err})"
+        ) from err
 
-    def work(i: int, job: Callable[[], Any]) -> None:
-        started = time.perf_counter()
-        try:
-            value = job()
-        except Exception as err:  # noqa: BLE001 - the job's error is the model's observation
-            results[i] = ("error", err, round((time.perf_counter() - started) * 1000, 3))
-            return
-        results[i] = ("ok", value, round((time.perf_counter() - started) * 1000, 3))
 
-    threads = [threading.Thread(target=work, args=(i, j), daemon=True, name="posttrain-tool") for i, j in
-               enumerate(jobs)]  # fmt: skip
-    for t in threads:
-        t.start()
-    deadline = time.perf_counter() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.perf_counter()))
-    return [("timeout", None, timeout_s * 1000) if t.is_alive() else results[i] for i, t in enumerate(threads)]
+def is_number(value: Any) -> bool:
+    """An int or float (a bool is not a reward)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _result(name: str, out: Any) -> ToolResult:
     reward: Any = 0.0
     if isinstance(out, tuple) and len(out) == 2:
         out, reward = out
-    if not isinstance(out, str) or isinstance(reward, bool) or not isinstance(reward, int | float):
+    if not isinstance(out, str) or not is_number(reward):
         return ToolResult(f"Error: {name} must return a string or (string, reward), got {out!r}", "error")
     if not math.isfinite(reward):
         return ToolResult(f"Error: {name} returned a non-finite reward {reward!r}", "error")

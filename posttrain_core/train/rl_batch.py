@@ -102,14 +102,20 @@ class LogpChecks:
     to the reference, as the trainer sees the sampled batch (old log-probs): the silent failures of RL that every
     update reports."""
 
-    tokens: float = 0.0
-    mismatch_sum: float = 0.0
+    turn_tokens: list[float] = dataclasses.field(default_factory=lambda: [0.0] * TURN_BINS)
+    turn_mismatch: list[float] = dataclasses.field(default_factory=lambda: [0.0] * TURN_BINS)
     mismatch_max: float = 0.0
     ref_tokens: float = 0.0
     k1_sum: float = 0.0
     k3_sum: float = 0.0
-    turn_tokens: list[float] = dataclasses.field(default_factory=lambda: [0.0] * TURN_BINS)
-    turn_mismatch: list[float] = dataclasses.field(default_factory=lambda: [0.0] * TURN_BINS)
+
+    @property
+    def tokens(self) -> float:
+        return sum(self.turn_tokens)
+
+    @property
+    def mismatch_sum(self) -> float:
+        return sum(self.turn_mismatch)
 
     def add(self, logprobs_B_R: Any, old_logp_B_R: Any, ref_logp_B_R: Any | None, response_mask_B_R: Any) -> None:
         """Add rows: the engine's log-probs, the trainer's old ones, the reference's (or None), the response mask."""
@@ -117,8 +123,6 @@ class LogpChecks:
 
         m_B_R = response_mask_B_R
         gap = (logprobs_B_R - old_logp_B_R).abs() * m_B_R
-        self.tokens += float(m_B_R.sum())
-        self.mismatch_sum += float(gap.sum())
         self.mismatch_max = max(self.mismatch_max, float(gap.max()) if gap.numel() else 0.0)
         # assistant turns are the runs of mask-1 tokens: a run starts where the mask rises from 0 (or at column 0)
         rises = m_B_R.clone()
@@ -134,14 +138,12 @@ class LogpChecks:
             self.k3_sum += float((kl_estimate(old_logp_B_R, ref_logp_B_R, "k3") * m_B_R).sum())
 
     def _sums(self) -> list[float]:
-        return [self.tokens, self.mismatch_sum, self.ref_tokens, self.k1_sum, self.k3_sum, *self.turn_tokens,
-                *self.turn_mismatch]  # fmt: skip
+        return [*self.turn_tokens, *self.turn_mismatch, self.ref_tokens, self.k1_sum, self.k3_sum]
 
     @staticmethod
     def _of(sums: list[float], mismatch_max: float) -> LogpChecks:
-        t, x, r, k1, k3 = sums[:5]
-        turns = sums[5:]
-        return LogpChecks(t, x, mismatch_max, r, k1, k3, list(turns[:TURN_BINS]), list(turns[TURN_BINS:]))
+        turns, (ref_tokens, k1, k3) = sums[: 2 * TURN_BINS], sums[2 * TURN_BINS :]
+        return LogpChecks(turns[:TURN_BINS], turns[TURN_BINS:], mismatch_max, ref_tokens, k1, k3)
 
     @staticmethod
     def merge(parts: list[LogpChecks]) -> LogpChecks | None:
