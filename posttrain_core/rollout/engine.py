@@ -34,6 +34,7 @@ class SamplingSettings:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # sample among the k most likely tokens only; 0: all
     max_tokens: int = 32
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int = 0

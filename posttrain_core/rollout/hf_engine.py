@@ -30,8 +30,9 @@ def sample_seed(seed: int, prompt_id: str, sample_index: int) -> int:
     return int.from_bytes(digest[:8], "little") & _SEED_MASK
 
 
-def process_logits(logits_B_V: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Sampling probabilities: softmax(logits / temperature) restricted to the top-p nucleus, renormalised.
+def process_logits(logits_B_V: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """Sampling probabilities: softmax(logits / temperature) restricted to the top-k tokens (k > 0), then to the
+    top-p nucleus, renormalised.
 
     The nucleus is the smallest set of most likely tokens whose mass reaches top_p (the most likely token is always
     kept), as in HF's `TopPLogitsWarper` and vLLM. Temperature must be > 0 here (0 is greedy: see `sample_tokens`).
@@ -42,6 +43,9 @@ def process_logits(logits_B_V: torch.Tensor, temperature: float, top_p: float) -
     Returns:
         probs_B_V, each row summing to 1.
     """
+    if 0 < top_k < logits_B_V.shape[-1]:
+        kth_B_1 = logits_B_V.topk(top_k, dim=-1).values[:, -1:]
+        logits_B_V = logits_B_V.masked_fill(logits_B_V < kth_B_1, float("-inf"))
     probs_B_V = torch.softmax(logits_B_V / temperature, dim=-1)
     if top_p < 1.0:
         sorted_B_V, order_B_V = probs_B_V.sort(dim=-1, descending=True)
@@ -52,7 +56,9 @@ def process_logits(logits_B_V: torch.Tensor, temperature: float, top_p: float) -
     return probs_B_V
 
 
-def sample_tokens(logits_B_V: torch.Tensor, uniforms_B: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def sample_tokens(
+    logits_B_V: torch.Tensor, uniforms_B: torch.Tensor, temperature: float, top_p: float, top_k: int = 0
+) -> torch.Tensor:
     """Next tokens by inverse-CDF sampling: token = first index whose cumulative probability exceeds u.
 
     One uniform per row and step (drawn from that sample's own generator) makes a sample depend only on its own
@@ -67,7 +73,7 @@ def sample_tokens(logits_B_V: torch.Tensor, uniforms_B: torch.Tensor, temperatur
     """
     if temperature == 0:
         return logits_B_V.argmax(dim=-1)
-    cdf_B_V = process_logits(logits_B_V, temperature, top_p).cumsum(dim=-1)
+    cdf_B_V = process_logits(logits_B_V, temperature, top_p, top_k).cumsum(dim=-1)
     target_B_1 = (uniforms_B * cdf_B_V[:, -1]).unsqueeze(-1)  # scaled by the total: float rounding of the cumsum
     tokens_B = torch.searchsorted(cdf_B_V, target_B_1, right=True).squeeze(-1)
     return tokens_B.clamp_(max=logits_B_V.shape[-1] - 1)
@@ -218,89 +224,118 @@ class HFEngine:
         table = pa.table({name: [r[name] for r in results] for name in ROLLOUT_COLUMNS})
         return validate_table(table, "rollouts", source="HFEngine")
 
-    @torch.no_grad()
     def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingSettings) -> list[dict]:
-        """One batch: left-padded prefill, then one token per step for every unfinished row, with a KV cache.
+        return decode(self.model, self.tokenizer, self.pad_id, self.eos_ids, prompts, seeds, params)
 
-        Each distinct prompt is prefilled once and its cache rows are copied to every sample of it (the n samples of
-        a prompt share their prompt): n times less prefill work, the same logits (a row's prefill does not depend on
-        which other rows share its batch, beyond float rounding; see the class docstring).
-        """
-        from posttrain_core.models.heads import distinct, left_padded
 
-        B = len(prompts)
-        unique, src = distinct(prompts)  # each sample's row in the prefill batch
-        src_B = torch.tensor(src)
-        ids_U_P, mask_U_P = left_padded(unique, self.pad_id)  # every prompt ends where generation starts
-        U, P = ids_U_P.shape
-        # Positions count real tokens only, so a padded row sees the positions it would alone (as the trainer does).
-        pos_U_P = (mask_U_P.cumsum(-1) - 1).clamp_(min=0)
-        # Each sample's stream: torch.rand(max_tokens) from its own generator; step t uses element t.
-        uniforms_B_T = torch.zeros((B, params.max_tokens))
-        if params.temperature > 0:
-            for i, s in enumerate(seeds):
-                uniforms_B_T[i] = torch.rand(params.max_tokens, generator=torch.Generator().manual_seed(s))
-        eos_V = torch.tensor(self.eos_ids, dtype=torch.long)
-        stops = tuple(s for s in params.stop if s)
+@torch.no_grad()
+def decode(
+    model: torch.nn.Module,
+    tokenizer,
+    pad_id: int,
+    eos_ids: list[int],
+    prompts: list[list[int]],
+    seeds: list[int],
+    params: SamplingSettings,
+    adapters: list[str] | None = None,
+) -> list[dict]:
+    """One batch: left-padded prefill, then one token per step for every unfinished row, with a KV cache.
 
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        logps: list[list[float]] = [[] for _ in range(B)]
-        texts: list[str | None] = [None] * B  # set when a stop string ends the row
-        finish: list[str | None] = [None] * B
-        out = self.model(
-            input_ids=ids_U_P, attention_mask=mask_U_P, position_ids=pos_U_P, use_cache=True, logits_to_keep=1
+    Each distinct prompt is prefilled once and its cache rows are copied to every sample of it (the n samples of
+    a prompt share their prompt): n times less prefill work, the same logits (a row's prefill does not depend on
+    which other rows share its batch, beyond float rounding; see `HFEngine`).
+
+    Args:
+        model: a causal LM, or a peft model holding several LoRA adapters.
+        eos_ids: the tokens that end a sample ("stop", kept in the response).
+        adapters: with a multi-adapter peft model, the adapter of each row ("__base__": none); rows of different
+            adapters share the batch (peft's mixed-adapter forward).
+    """
+    from posttrain_core.models.heads import distinct, left_padded
+
+    B = len(prompts)
+    # Rows of different adapters never share a prefill, even with the same prompt.
+    names = sorted(set(adapters)) if adapters else []
+    row_names = [names.index(a) for a in adapters] if adapters else [0] * B
+    keyed, src = distinct([[row_names[i], *p] for i, p in enumerate(prompts)])  # each sample's prefill row
+    unique = [list(k[1:]) for k in keyed]
+    prefill_kw = {"adapter_names": [names[k[0]] for k in keyed]} if adapters else {}
+    decode_kw = {"adapter_names": list(adapters)} if adapters else {}
+    src_B = torch.tensor(src)
+    ids_U_P, mask_U_P = left_padded(unique, pad_id)  # every prompt ends where generation starts
+    U, P = ids_U_P.shape
+    # Positions count real tokens only, so a padded row sees the positions it would alone (as the trainer does).
+    pos_U_P = (mask_U_P.cumsum(-1) - 1).clamp_(min=0)
+    # Each sample's stream: torch.rand(max_tokens) from its own generator; step t uses element t.
+    uniforms_B_T = torch.zeros((B, params.max_tokens))
+    if params.temperature > 0:
+        for i, s in enumerate(seeds):
+            uniforms_B_T[i] = torch.rand(params.max_tokens, generator=torch.Generator().manual_seed(s))
+    eos_V = torch.tensor(eos_ids, dtype=torch.long)
+    stops = tuple(s for s in params.stop if s)
+
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logps: list[list[float]] = [[] for _ in range(B)]
+    texts: list[str | None] = [None] * B  # set when a stop string ends the row
+    finish: list[str | None] = [None] * B
+    out = model(
+        input_ids=ids_U_P,
+        attention_mask=mask_U_P,
+        position_ids=pos_U_P,
+        use_cache=True,
+        logits_to_keep=1,
+        **prefill_kw,
+    )
+    cache = out.cache
+    if U < B:
+        cache.reorder_cache(src_B)  # prompt rows -> sample rows (an index_select of every layer's keys/values)
+    pos_B = pos_U_P[src_B, -1]
+    mask_B_L = torch.cat([mask_U_P[src_B], torch.ones((B, params.max_tokens), dtype=torch.long)], dim=1)
+    logits_B_V = out.logits[src_B, -1, :].float()
+    for step in range(params.max_tokens):
+        next_B = sample_tokens(logits_B_V, uniforms_B_T[:, step], params.temperature, params.top_p, params.top_k)
+        logp_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, next_B[:, None]).squeeze(-1)
+        next_list, logp_list = next_B.tolist(), logp_B.tolist()
+        eos_list = torch.isin(next_B, eos_V).tolist()
+        for i in range(B):
+            if finish[i] is not None:
+                continue
+            tokens[i].append(next_list[i])
+            logps[i].append(logp_list[i])
+            if eos_list[i]:
+                finish[i] = "stop"
+            elif stops:
+                text = tokenizer.decode(tokens[i], skip_special_tokens=True)
+                cut = min((k for k in (text.find(s) for s in stops) if k >= 0), default=-1)
+                if cut >= 0:
+                    texts[i], finish[i] = text[:cut], "stop"
+        if all(f is not None for f in finish) or step == params.max_tokens - 1:
+            break
+        # Finished rows keep stepping on pad tokens (their outputs are ignored): simpler than shrinking the cache.
+        feed_B = torch.where(torch.tensor([f is None for f in finish]), next_B, torch.full_like(next_B, pad_id))
+        pos_B = pos_B + 1
+        out = model(
+            input_ids=feed_B[:, None],
+            attention_mask=mask_B_L[:, : P + step + 1],
+            position_ids=pos_B[:, None],
+            cache=cache,
+            use_cache=True,
+            **decode_kw,
         )
         cache = out.cache
-        if U < B:
-            cache.reorder_cache(src_B)  # prompt rows -> sample rows (an index_select of every layer's keys/values)
-        pos_B = pos_U_P[src_B, -1]
-        mask_B_L = torch.cat([mask_U_P[src_B], torch.ones((B, params.max_tokens), dtype=torch.long)], dim=1)
-        logits_B_V = out.logits[src_B, -1, :].float()
-        for step in range(params.max_tokens):
-            next_B = sample_tokens(logits_B_V, uniforms_B_T[:, step], params.temperature, params.top_p)
-            logp_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, next_B[:, None]).squeeze(-1)
-            next_list, logp_list = next_B.tolist(), logp_B.tolist()
-            eos_list = torch.isin(next_B, eos_V).tolist()
-            for i in range(B):
-                if finish[i] is not None:
-                    continue
-                tokens[i].append(next_list[i])
-                logps[i].append(logp_list[i])
-                if eos_list[i]:
-                    finish[i] = "stop"
-                elif stops:
-                    text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-                    cut = min((k for k in (text.find(s) for s in stops) if k >= 0), default=-1)
-                    if cut >= 0:
-                        texts[i], finish[i] = text[:cut], "stop"
-            if all(f is not None for f in finish) or step == params.max_tokens - 1:
-                break
-            # Finished rows keep stepping on pad tokens (their outputs are ignored): simpler than shrinking the cache.
-            feed_B = torch.where(
-                torch.tensor([f is None for f in finish]), next_B, torch.full_like(next_B, self.pad_id)
-            )
-            pos_B = pos_B + 1
-            out = self.model(
-                input_ids=feed_B[:, None],
-                attention_mask=mask_B_L[:, : P + step + 1],
-                position_ids=pos_B[:, None],
-                cache=cache,
-                use_cache=True,
-            )
-            cache = out.cache
-            logits_B_V = out.logits[:, -1, :].float()
+        logits_B_V = out.logits[:, -1, :].float()
 
-        results = []
-        for i in range(B):
-            text = texts[i]
-            if text is None:
-                text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
-            results.append(
-                {
-                    "response_ids": tokens[i],
-                    "response_text": text,
-                    "logprobs": logps[i],
-                    "finish_reason": finish[i] or "length",
-                }
-            )
-        return results
+    results = []
+    for i in range(B):
+        text = texts[i]
+        if text is None:
+            text = tokenizer.decode(tokens[i], skip_special_tokens=True)
+        results.append(
+            {
+                "response_ids": tokens[i],
+                "response_text": text,
+                "logprobs": logps[i],
+                "finish_reason": finish[i] or "length",
+            }
+        )
+    return results

@@ -259,6 +259,7 @@ class VLLMEngine:
                 n=1,
                 temperature=params.temperature,
                 top_p=params.top_p if params.temperature > 0 else 1.0,
+                top_k=params.top_k if params.temperature > 0 and params.top_k > 0 else -1,
                 max_tokens=params.max_tokens,
                 stop=stop,
                 seed=seed if params.temperature > 0 else None,
