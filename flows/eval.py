@@ -4,6 +4,7 @@ A model is named by a reference string:
     latest:STAGE    the newest model artifact the stage STAGE published (`latest:sft`, `latest:rl_update`, ...)
     KEY             an artifact key, or a unique prefix of one (`posttrain artifacts ls` lists them)
     /path/to/model  a local Hugging Face model folder
+    tinker://...    an adapter a tenant of `posttrain serve` saved (save_state, save_weights_for_sampler)
 
 Run it on the newest SFT model of the default store (after `python -m flows.sft`):
     python -m flows.eval
@@ -25,10 +26,9 @@ from posttrain_core import reports, tracking
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import DataConfig, EvalConfig
+from posttrain_core.models.build import LATEST, stored_model
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
-
-LATEST = "latest:"
 
 
 class EvalFlowConfig(BaseModel):
@@ -44,7 +44,7 @@ class EvalFlowConfig(BaseModel):
         default_factory=lambda: ["latest:sft"],
         min_length=1,
         description="models to evaluate: 'latest:STAGE' (newest model of a stage), an artifact key or unique "
-        "prefix, or a local Hugging Face model folder",
+        "prefix, a local Hugging Face model folder, or a tinker:// checkpoint of `posttrain serve`",
     )
     data: DataConfig = Field(
         default_factory=DataConfig, description="data whose held-out split is evaluated (cached: shared with training)"
@@ -59,17 +59,11 @@ def resolve_model(store: ArtifactStore, spec: str, field: str = "models") -> Art
         LookupError: `latest:STAGE` and that stage published no model yet (names `field` and the stages that did).
         ValueError: no artifact or folder, or more than one artifact, matches; or the match is not a model.
     """
-    if spec.startswith(LATEST):
-        stage = spec[len(LATEST) :]
-        manifests = [(ref, store.manifest(ref)) for ref in store.list("model")]  # one read of each manifest
-        found = [(m.get("created", ""), ref) for ref, m in manifests if m.get("stage") == stage]
-        if not found:
-            stages = sorted({m.get("stage", "?") for _, m in manifests})
-            raise LookupError(
-                f"{field}: {spec!r}: no model published by stage {stage!r} in {store.root} "
-                f"(stages with models: {', '.join(stages) or 'none'}; run a training flow first)"
-            )
-        return max(found, key=lambda pair: pair[0])[1]
+    if spec.startswith((LATEST, "tinker://")):
+        try:
+            return stored_model(spec, store, field)
+        except FileNotFoundError as e:
+            raise ValueError(f"{field}: {e}") from None
     matches = [r for r in store.list() if r.key.startswith(spec)] if len(spec) >= 6 else []
     if len(matches) == 1:
         if matches[0].kind != "model":

@@ -95,8 +95,9 @@ class ModelConfig(_Config):
 
     path: str | None = Field(
         None,
-        description="local Hugging Face model folder (full model or peft adapter), or a .gguf file (imported once "
-        "as a float32 model artifact). Empty: build a tiny model.",
+        description="local Hugging Face model folder (full model or peft adapter), a .gguf file (imported once "
+        "as a float32 model artifact), a model artifact's key, or a tinker:// checkpoint of `posttrain serve`. "
+        "Empty: build a tiny model.",
     )
     arch: Literal["llama", "qwen2"] = Field("llama", description="tiny model: architecture")
     size: Literal["tiny", "small"] = Field(

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-DEPLOYMENTS = {"sft/demo", "preference/rm-demo", "rlhf/grpo-demo", "rlhf/ppo-demo", "eval/latest"}
+DEPLOYMENTS = {"sft/demo", "preference/rm-demo", "rlhf/grpo-demo", "rlhf/ppo-demo", "eval/latest", "serve/tinker"}
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -165,6 +165,7 @@ def test_deployments_register_with_paused_schedules_and_a_parameter_form(server)
     assert by_name["preference/rm-demo"]["parameters"]["config"]["dpo"] is None
     assert by_name["rlhf/ppo-demo"]["parameters"]["config"]["rl"]["algorithm"] == "ppo"
     assert by_name["eval/latest"]["parameters"]["config"]["models"] == ["latest:sft", "latest:rl_update"]
+    assert by_name["serve/tinker"]["parameters"]["config"]["base_models"] == {"posttrain/sft": "latest:sft"}
 
 
 def test_a_wrong_type_parameter_is_refused_naming_the_field(server):

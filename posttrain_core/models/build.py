@@ -17,12 +17,56 @@ log = logging.getLogger(__name__)
 STAGE = "build_model"
 
 
+LATEST = "latest:"
+
+
+def stored_model(path: str, store: ArtifactStore, field: str = "model.path") -> ArtifactRef | None:
+    """The store's model artifact that `path` names, or None when it names none (a folder, a file):
+
+        latest:STAGE    the newest model artifact the stage STAGE published (`latest:sft`, `latest:rl_update`)
+        tinker://...    a checkpoint a tenant of `posttrain serve` saved
+        KEY             an artifact key that is not also a local path
+
+    Raises:
+        LookupError: `latest:STAGE` and that stage published no model (names `field` and the stages that did).
+        FileNotFoundError: a tinker path with no checkpoint in this store.
+        ValueError: the key names a dataset.
+    """
+    from pathlib import Path
+
+    from posttrain_core.serve.checkpoints import PREFIX, resolve
+
+    if path.startswith(LATEST):
+        stage = path[len(LATEST) :]
+        manifests = [(ref, store.manifest(ref)) for ref in store.list("model")]  # one read of each manifest
+        found = [(m.get("created", ""), ref) for ref, m in manifests if m.get("stage") == stage]
+        if not found:
+            stages = sorted({m.get("stage", "?") for _, m in manifests})
+            raise LookupError(
+                f"{field}: {path!r}: no model published by stage {stage!r} in {store.root} "
+                f"(stages with models: {', '.join(stages) or 'none'}; run a training flow first)"
+            )
+        return max(found, key=lambda pair: pair[0])[1]
+    if path.startswith(PREFIX):
+        return resolve(store, path)
+    if Path(path).expanduser().exists():
+        return None
+    try:
+        ref = store.get(path)
+    except ValueError:  # not a valid key: an ordinary (missing) path
+        return None
+    if ref is not None and ref.kind != "model":
+        raise ValueError(f"{field}: artifact {path} is a {ref.schema_kind} dataset, not a model")
+    return ref
+
+
 def run_build_model(cfg: ModelConfig, corpus: ArtifactRef | None, store: ArtifactStore) -> ArtifactRef:
     """Return the base model artifact.
 
     Args:
-        cfg: `path` = a local HF model folder (validated, registered as an external artifact), or a `.gguf` file
-            (imported once as a model artifact: `models.gguf`); else a tiny preset.
+        cfg: `path` = a local HF model folder (validated, registered as an external artifact), a `.gguf` file
+            (imported once as a model artifact: `models.gguf`), a `tinker://` checkpoint or a model artifact's key
+            (`stored_model`); else a tiny preset.
         corpus: a `text` dataset to train the tiny model's tokenizer on (unused with `path`).
         store: the artifact store.
     """
@@ -31,6 +75,9 @@ def run_build_model(cfg: ModelConfig, corpus: ArtifactRef | None, store: Artifac
 
     if cfg.path and is_gguf_path(cfg.path):
         return import_gguf(cfg.path, store)
+    stored = stored_model(cfg.path, store) if cfg.path else None
+    if stored is not None:
+        return stored
     if cfg.path:
         info = check_model_path(cfg.path)
         log.info("%s: using %s (%s)", STAGE, cfg.path, info.get("model_type"))

@@ -21,7 +21,7 @@ import torch
 
 from posttrain_core.serve.wire import UserError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")  # Serve formats and forwards its replicas' log lines to the driver
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
 STATE_FILE = "training_state.pt"  # optimizer state, pending gradients, step count (not read by peft)

@@ -29,7 +29,8 @@ class ServeConfig(BaseModel):
 
     base_models: dict[str, str] = Field(
         min_length=1,
-        description="public name (the SDK's base_model) -> local Hugging Face folder or .gguf file (imported once)",
+        description="public name (the SDK's base_model) -> local Hugging Face folder, .gguf file (imported once), "
+        "'latest:STAGE' (the newest model a pipeline stage published, e.g. latest:sft) or a model artifact's key",
     )
     host: str = Field("127.0.0.1", description="address the HTTP proxy binds")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
@@ -80,13 +81,15 @@ def read_keys(config: ServeConfig) -> dict[str, str] | None:
 
 
 def _base_paths(config: ServeConfig, store) -> dict[str, str]:
+    from posttrain_core.models.build import stored_model
     from posttrain_core.models.gguf import import_gguf, is_gguf_path
     from posttrain_core.models.loading import check_model_path
 
     paths = {}
     for name, path in config.base_models.items():
-        if is_gguf_path(path):
-            path = str(import_gguf(path, store).uri)
+        ref = import_gguf(path, store) if is_gguf_path(path) else stored_model(path, store, f"base_models.{name}")
+        if ref is not None:
+            path = str(store.local_path(ref))
         info = check_model_path(path)
         if info["is_adapter"]:
             raise ValueError(f"base_models.{name}: {path} is an adapter; serve its base model")
@@ -122,7 +125,10 @@ def start(config: ServeConfig) -> str:
         name: serve.deployment(ModelWorker, name=f"model-{i}", **unlimited).bind(name, path, settings)
         for i, (name, path) in enumerate(settings["base_models"].items())
     }
-    serve.run(Gateway.options(**unlimited).bind(settings, workers), name="posttrain", route_prefix="/")
+    # No per-request access log: every client heartbeats and long-polls; lifecycle events are logged instead.
+    logging_config = {"enable_access_log": False, "log_level": "INFO"}
+    app = Gateway.options(**unlimited).bind(settings, workers)
+    serve.run(app, name="posttrain", route_prefix="/", logging_config=logging_config)
     url = f"http://{config.host}:{config.port}"
     log.info("posttrain serve: %s (bases: %s; store %s)", url, ", ".join(config.base_models), store.root)
     return url

@@ -7,7 +7,6 @@ future with category `user`, naming the field; a bug, or state lost in a restart
 `server`. A tenant with `max_queued` requests unfinished gets 429, which the SDK backs off from and retries.
 """
 
-
 import asyncio
 import logging
 import time
@@ -25,7 +24,7 @@ from posttrain_core.serve import checkpoints
 from posttrain_core.serve.state import Journal
 from posttrain_core.serve.wire import PROTOBUF, UserError, decode_forward_backward
 
-log = logging.getLogger("posttrain.serve")
+log = logging.getLogger("ray.serve")  # Serve formats and forwards its replicas' log lines to the driver
 
 app = FastAPI(title="posttrain serve", description="tinker-compatible training and sampling of LoRA adapters")
 API = "/api/v1"
@@ -51,6 +50,7 @@ class Gateway:
         self.tasks: dict[str, tuple[str, asyncio.Task]] = {}
         self.outcomes: dict[str, tuple[float, dict]] = {}
         self.unfinished: dict[str, int] = {}
+        self.rejected = 0  # requests answered 429
         self.snapshots: dict[str, deque[str]] = {}
         self.seen: set[tuple[str, str, str]] = set()
         log.info("gateway up: epoch %d, bases %s, store %s", self.journal.epoch, list(self.bases), self.store.root)
@@ -110,6 +110,7 @@ class Gateway:
         if known:
             return {"request_id": known, **extra}
         if self.unfinished.get(tenant, 0) >= self.settings["max_queued"]:
+            self.rejected += 1
             raise HTTPException(429, f"{self.settings['max_queued']} requests of this API key are unfinished")
         request_id = f"req-{uuid.uuid4().hex}"
         self.journal.add_future(request_id, tenant, dedupe, kind)
@@ -469,4 +470,10 @@ class Gateway:
         self._tenant(request)
         workers = {name: await handle.describe.remote() for name, handle in self.workers.items()}
         routes = sorted(self.seen)
-        return {"epoch": self.journal.epoch, "workers": workers, "unfinished": self.unfinished, "routes_seen": routes}
+        return {
+            "epoch": self.journal.epoch,
+            "workers": workers,
+            "unfinished": self.unfinished,
+            "rejected": self.rejected,
+            "routes_seen": routes,
+        }

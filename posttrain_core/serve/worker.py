@@ -23,7 +23,7 @@ from typing import Any
 
 from posttrain_core.serve.wire import UserError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")  # Serve formats and forwards its replicas' log lines to the driver
 
 BATCHABLE = ("forward_backward", "sample")
 MAX_TURN = 64  # requests of one kind one tenant may add to a round
