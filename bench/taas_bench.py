@@ -51,6 +51,7 @@ class Tenant:
         from tinker import types
 
         self.types = types
+        self.url = url
         self.sc = tinker.ServiceClient(base_url=url, api_key=key)
         self.tc = self.sc.create_lora_training_client(base_model=base, rank=8).result()
         vocab = len(self.tc.get_tokenizer())
@@ -86,9 +87,20 @@ class Tenant:
         out["sample_s"] += time.perf_counter() - start
 
 
+def _busy_s(url: str) -> float:
+    """Seconds the service's worker has spent computing so far (its status counter)."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url + "/api/v1/posttrain/status", headers={"X-API-Key": next(iter(KEYS))})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return sum(w["busy_s"] for w in json.loads(r.read())["workers"].values())
+
+
 def _scenario(tenants: list[Tenant], concurrent: bool) -> dict:
     out = {"fwdbwd_ms": [], "sample_ms": [], "train_tokens": 0, "sample_tokens": 0, "train_s": 0.0, "sample_s": 0.0}
     lock = threading.Lock()
+    busy = _busy_s(tenants[0].url)
     start = time.perf_counter()
     if concurrent:
         parts = [{k: (type(v)() if not isinstance(v, float) else 0.0) for k, v in out.items()} for _ in tenants]
@@ -110,6 +122,7 @@ def _scenario(tenants: list[Tenant], concurrent: bool) -> dict:
         for t in tenants:
             t.run(out)
     out["wall_s"] = time.perf_counter() - start
+    out["busy"] = (_busy_s(tenants[0].url) - busy) / out["wall_s"]
     return out
 
 
@@ -125,13 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--size", default="small", choices=["tiny", "small"], help="tiny random-init model preset")
     p.add_argument("--model", help="a local HF model folder or .gguf instead of the tiny model")
+    p.add_argument("--threads", type=int, help="the service worker's torch threads (default: all cores)")
     args = p.parse_args(argv)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
 
     root = Path(tempfile.mkdtemp(prefix="taas-bench-"))
     model = Path(args.model) if args.model else _tiny_model(root, args.size)
     service = ServiceProcess("bench/base", model, root / "store", root / "state", root / "serve.log", KEYS,
-                             max_loras=args.tenants, max_queued=64)  # fmt: skip
+                             max_loras=args.tenants, max_queued=64,
+                             **({"threads": args.threads} if args.threads else {}))  # fmt: skip
     service.start()
     try:
         keys = list(KEYS)[: args.tenants]
@@ -153,13 +168,14 @@ def main(argv: list[str] | None = None) -> None:
           f"(LoRA r=8), {args.samples} x 4 samples of 16 tokens each; model {args.model or args.size}; "
           f"{os.cpu_count()} cores; median of {args.rounds} rounds")  # fmt: skip
     print(f"{'scenario':12s} {'train tok/s':>12s} {'vs serial':>9s} {'sample tok/s':>13s} "
-          f"{'fwd_bwd p50/p95 ms':>19s} {'sample p50/p95 ms':>18s}")  # fmt: skip
+          f"{'fwd_bwd p50/p95 ms':>19s} {'sample p50/p95 ms':>18s} {'worker busy':>11s}")  # fmt: skip
     for name, runs in results.items():
         train = rate(runs, "train_tokens", "train_s")
         fb = [x for r in runs for x in r["fwdbwd_ms"]]
         sm = [x for r in runs for x in r["sample_ms"]]
         print(f"{name:12s} {train:12.0f} {train / serial_train:8.2f}x {rate(runs, 'sample_tokens', 'sample_s'):13.0f} "
-              f"{_percentile(fb, 50):9.0f}/{_percentile(fb, 95):<9.0f} {_percentile(sm, 50):8.0f}/{_percentile(sm, 95):<9.0f}")  # fmt: skip
+              f"{_percentile(fb, 50):9.0f}/{_percentile(fb, 95):<9.0f} {_percentile(sm, 50):8.0f}/{_percentile(sm, 95):<9.0f}"
+              f" {statistics.median(r['busy'] for r in runs):10.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ SETTINGS: dict[str, str] = {
     "POSTTRAIN_MLFLOW_UI": "the MLflow UI address the Prefect flow runs link to (default http://127.0.0.1:5000)",
     "MLFLOW_TRACKING_URI": "the MLflow tracking server (default: a SQLite file in the local store root)",
     "RAY_ADDRESS": "the Ray cluster to join (default: start one on this machine)",
+    "POSTTRAIN_SERVE_KEYS": "`posttrain serve`'s API keys when no keys file is given: 'tml-a=alice,tml-b=bob' (default: "
+    "any tml- key is its own tenant)",
 }
 
 DEFAULTS = {
@@ -86,6 +88,12 @@ def apply_defaults() -> None:
 def engine_environment() -> dict[str, str]:
     """`ENGINE_DEFAULTS`, with the values this process's environment sets for those names instead."""
     return {name: os.environ.get(name, default) for name, default in ENGINE_DEFAULTS.items()}
+
+
+def own_ray_environment() -> dict[str, str]:
+    """This process's environment for a child that must start its own local Ray (`posttrain serve` under the tests
+    and the benchmark): without `RAY_ADDRESS`, so that its actors live and die with it, not with the parent's Ray."""
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
 def apply_engine_defaults() -> None:

@@ -187,8 +187,11 @@ def test_the_console_script_has_run_and_hands_the_rest_to_the_core(tiny_inputs, 
     with pytest.raises(SystemExit) as exc:
         posttrain(["--help"])
     out = capsys.readouterr().out
-    assert exc.value.code == 0 and "{artifacts,models,run}" in out
+    assert exc.value.code == 0 and "{artifacts,models,run,serve}" in out
     assert "posttrain artifacts gc --keep-last N" in out and "posttrain run CONFIG.yaml" in out
+    assert "posttrain serve --base-model NAME=PATH" in out
+    with pytest.raises(SystemExit, match="--base-model 'tiny': expected NAME=PATH"):
+        posttrain(["serve", "--base-model", "tiny"])
     assert "posttrain models import FILE.gguf" in out
     with pytest.raises(SystemExit) as exc:
         main(["run", "cfg.yaml"])  # the core library knows no flows

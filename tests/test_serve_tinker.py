@@ -1,13 +1,15 @@
 """The unmodified tinker SDK against a real `posttrain serve` on 127.0.0.1 (Ray Serve, the CLI in its own process).
 
 One service for the module: base model = the pipeline's tiny model, max_loras = 2, max_queued = 8, three API keys
-(alice, bob, carol). The tests run in file order and share alice's training client; the contract guard runs last.
+(alice, bob, carol). The tests run in file order and share alice's training client; the contract guard runs after
+them, then a crash (kill -9) and restart of the service, last.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -131,6 +133,8 @@ def saved(alice):
 
 def test_state_round_trip_is_exact_and_checkpoints_are_artifacts(server, alice, saved, tiny_inputs, capsys):
     from posttrain_core import cli as core_cli
+    from posttrain_core.config import ModelConfig
+    from posttrain_core.models.build import run_build_model
     from posttrain_core.serve.checkpoints import resolve
 
     sc, tc, batch = alice["sc"], alice["tc"], alice["batch"]
@@ -141,6 +145,7 @@ def test_state_round_trip_is_exact_and_checkpoints_are_artifacts(server, alice, 
     assert manifest["stage"] == "serve" and manifest["tenant"] == "alice" and manifest["base_model"] == BASE
     assert manifest["step"] == 22 and manifest["tinker_path"] == saved
     assert [m["key"] for m in store.lineage(ref)][1] == base.key  # the base model is its input
+    assert run_build_model(ModelConfig(path=saved), None, store) == ref  # what rlhf_flow's model.path resolves to
     core_cli.main(["--store", str(store.root), "artifacts", "ls", "--stage", "serve"])
     assert ref.key[:12] in capsys.readouterr().out
 
@@ -200,6 +205,27 @@ def test_two_tenants_train_at_once_isolated_and_the_base_sampler_is_untouched(se
     code, _ = post(server, "/api/v1/optim_step", {"model_id": alice_model, "seq_id": 999, "adam_params": {}},
                    "tml-test-b")  # fmt: skip
     assert code == 404
+
+
+def test_gradients_accumulate_across_requests_and_retries_run_once(server, alice):
+    """A batch sent as two requests (as the SDK chunks large batches) trains exactly like one request: losses are
+    sums. A retried submission (same model and seq_id) answers the first one's future instead of running again."""
+    carol = tinker.ServiceClient(base_url=server.url, api_key="tml-test-c")
+    whole, halves = (carol.create_lora_training_client(base_model=BASE, rank=4, seed=7).result() for _ in range(2))
+    batch = [datum(alice["tokenizer"], t) for t in TEXTS_B[:4]]
+    for _ in range(2):
+        whole.forward_backward(batch, "cross_entropy").result()
+        halves.forward_backward(batch[:2], "cross_entropy").result()
+        halves.forward_backward(batch[2:], "cross_entropy").result()
+        for client in (whole, halves):
+            client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    for a, b in zip(logprobs(whole.forward(batch, "cross_entropy").result()),
+                    logprobs(halves.forward(batch, "cross_entropy").result()), strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    body = {"model_id": whole.model_id, "seq_id": 10**6, "adam_params": {"learning_rate": 1e-2}, "type": "optim_step"}
+    first, again = (post(server, "/api/v1/optim_step", body, "tml-test-c") for _ in range(2))
+    assert first[0] == again[0] == 200 and first[1]["request_id"] == again[1]["request_id"]
 
 
 def test_an_adapter_beyond_max_loras_evicts_and_reloads_bit_exact(server, alice):
@@ -283,3 +309,59 @@ def test_contract_every_request_the_sdk_sent_is_documented(server):
     seen = {tuple(r) for r in status(server)["routes_seen"]}
     assert {r[1] for r in seen} >= {"/api/v1/forward_backward", "/api/v1/asample", "/api/v1/retrieve_future"}
     assert seen <= DOCUMENTED, sorted(seen - DOCUMENTED)
+
+
+def unfinished(server: Server) -> int:
+    return sum(status(server)["unfinished"].values())
+
+
+def wait_for(server: Server, n: int) -> None:
+    deadline = time.time() + 30
+    while unfinished(server) < n:
+        assert time.time() < deadline, f"the service never had {n} unfinished requests"
+        time.sleep(0.05)
+
+
+def test_kill9_mid_run_then_restart_resumes_from_the_saved_state(server, saved):
+    """Last in the module: it crashes the module's service."""
+    sc = tinker.ServiceClient(base_url=server.url, api_key="tml-test-a")
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8).result()
+    batch = [datum(tc.get_tokenizer(), t) for t in TEXTS_A[:4]]
+
+    def step(client):
+        client.forward_backward(batch, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+
+    for _ in range(3):
+        step(tc)
+    path = tc.save_state("before-crash").result().path
+    at_save = logprobs(tc.forward(batch, "cross_entropy").result())
+    step(tc)  # unsaved work: lost in the crash, by design
+
+    # Requests in flight at the crash: a long sample (400 tokens x 64, no end-of-sequence stop) and, queued
+    # behind it, a forward_backward; both accepted, then the process is killed.
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(batch[0].model_input.to_ints()[:4])
+    slow = sampler.sample(prompt, 64, types.SamplingParams(max_tokens=400, stop=[]))
+    wait_for(server, 1)
+    in_flight = tc.forward_backward(batch, "cross_entropy")
+    wait_for(server, 2)
+    server.kill9()
+    server.start()  # same port, store and journal
+
+    for future in (slow, in_flight):  # the SDK's polls reconnect and get the truth
+        with pytest.raises(tinker.RequestFailedError) as err:
+            future.result()
+        assert err.value.category == types.RequestErrorCategory.Server and "restarted" in str(err.value)
+    with pytest.raises(tinker.RequestFailedError) as err:
+        tc.forward(batch, "cross_entropy").result()
+    assert err.value.category == types.RequestErrorCategory.Server and "lost its unsaved state" in str(err.value)
+
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()  # the same session goes on
+    for a, b in zip(at_save, logprobs(resumed.forward(batch, "cross_entropy").result()), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    first = mean_nll(resumed.forward(batch, "cross_entropy").result(), batch)
+    for _ in range(3):
+        step(resumed)
+    assert mean_nll(resumed.forward(batch, "cross_entropy").result(), batch) < first
+    assert sc.create_training_client_from_state(saved).result().get_info().lora_rank == 8  # older saves too

@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from posttrain_core.env import setting
+
 log = logging.getLogger("posttrain.serve")
 
 KEYS_ENV = "POSTTRAIN_SERVE_KEYS"
@@ -66,8 +68,8 @@ def read_keys(config: ServeConfig) -> dict[str, str] | None:
             if line.strip() and not line.lstrip().startswith("#"):
                 parts = line.split()
                 entries.append((parts[0], parts[1] if len(parts) == 2 else "", f"{config.keys_file}:{n}"))
-    elif os.environ.get(KEYS_ENV):
-        for i, item in enumerate(os.environ[KEYS_ENV].split(",")):
+    elif setting(KEYS_ENV):
+        for i, item in enumerate(setting(KEYS_ENV).split(",")):
             key, _, tenant = item.strip().partition("=")
             entries.append((key, tenant, f"${KEYS_ENV} entry {i}"))
     else:
@@ -156,6 +158,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-queued", type=int, default=64)
     p.add_argument("--state-dir")
+    p.add_argument("--threads", type=int, help="torch threads per worker (default: all cores)")
 
 
 def main(args) -> None:
@@ -178,6 +181,7 @@ def main(args) -> None:
             keys_file=args.keys_file,
             max_loras=args.max_loras,
             max_queued=args.max_queued,
+            threads=args.threads,
         )
     except ValidationError as e:
         raise SystemExit(f"posttrain serve: {e}") from None

@@ -9,26 +9,25 @@ future with category `user`, naming the field; a bug, or state lost in a restart
 
 import asyncio
 import logging
-import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
 from posttrain_core.serve import checkpoints
+from posttrain_core.serve.futures import Futures
 from posttrain_core.serve.state import Journal
-from posttrain_core.serve.wire import PROTOBUF, UserError, decode_forward_backward
+from posttrain_core.serve.wire import UserError, decode_forward_backward
 
 log = logging.getLogger("ray.serve")  # Serve formats and forwards its replicas' log lines to the driver
 
 app = FastAPI(title="posttrain serve", description="tinker-compatible training and sampling of LoRA adapters")
 API = "/api/v1"
-KEEP_RESULTS_S = 900  # finished outcomes stay retrievable this long (the SDK polls once more after a lost reply)
 EPHEMERAL_SAMPLERS = 2  # sampler snapshots kept per model (rl loops take a new one every batch)
 
 
@@ -47,10 +46,7 @@ class Gateway:
         self.base_refs = {name: checkpoints.base_ref(self.store, b["path"]) for name, b in self.bases.items()}
         self.journal = Journal(Path(settings["state_dir"]) / "journal.sqlite")
         self.keys: dict[str, str] | None = settings.get("keys")
-        self.tasks: dict[str, tuple[str, asyncio.Task]] = {}
-        self.outcomes: dict[str, tuple[float, dict]] = {}
-        self.unfinished: dict[str, int] = {}
-        self.rejected = 0  # requests answered 429
+        self.futures = Futures(self.journal, settings["max_queued"], settings["long_poll_s"])
         self.snapshots: dict[str, deque[str]] = {}
         self.seen: set[tuple[str, str, str]] = set()
         log.info("gateway up: epoch %d, bases %s, store %s", self.journal.epoch, list(self.bases), self.store.root)
@@ -103,39 +99,6 @@ class Gateway:
         if "error" in outcome:
             raise (UserError if outcome["category"] == "user" else RuntimeError)(outcome["error"])
         return outcome["result"]
-
-    def _future(self, tenant: str, dedupe: str | None, kind: str, work: Callable[[], Awaitable[Any]], **extra):
-        """Start `work` as a future (or find the one a retry of the same request started) and answer its id."""
-        known = self.journal.find_future(dedupe, tenant) if dedupe else None
-        if known:
-            return {"request_id": known, **extra}
-        if self.unfinished.get(tenant, 0) >= self.settings["max_queued"]:
-            self.rejected += 1
-            raise HTTPException(429, f"{self.settings['max_queued']} requests of this API key are unfinished")
-        request_id = f"req-{uuid.uuid4().hex}"
-        self.journal.add_future(request_id, tenant, dedupe, kind)
-        self.unfinished[tenant] = self.unfinished.get(tenant, 0) + 1
-        self.tasks[request_id] = (tenant, asyncio.create_task(self._complete(request_id, tenant, work)))
-        now = time.monotonic()
-        for rid in [r for r, (t, _) in self.outcomes.items() if now - t > KEEP_RESULTS_S]:
-            self.outcomes.pop(rid, None)
-        return {"request_id": request_id, **extra}
-
-    async def _complete(self, request_id: str, tenant: str, work: Callable[[], Awaitable[Any]]) -> dict:
-        try:
-            outcome = {"result": await work()}
-        except UserError as e:
-            outcome = {"error": str(e), "category": "user"}
-        except LookupError as e:
-            outcome = {"error": str(e), "category": "server"}
-        except Exception as e:
-            log.exception("request %s failed", request_id)
-            outcome = {"error": f"{type(e).__name__}: {e}", "category": "server"}
-        self.unfinished[tenant] -= 1
-        self.journal.finish_future(request_id, outcome)
-        self.outcomes[request_id] = (time.monotonic(), outcome)
-        self.tasks.pop(request_id, None)
-        return outcome
 
     # ------------------------------------------------------------------------------------- client + session
     @app.post(API + "/client/config")
@@ -211,7 +174,7 @@ class Gateway:
 
         if not self.journal.find_future(f"create:{model_id}", tenant):
             self.journal.add_model(model_id, tenant, session, base, adapter, int(lora.get("rank") or 0))
-        return self._future(tenant, f"create:{model_id}", "create_model", work, model_id=model_id)
+        return self.futures.start(tenant, f"create:{model_id}", "create_model", work, model_id=model_id)
 
     @app.post(API + "/get_info")
     async def get_info(self, request: Request):
@@ -246,7 +209,7 @@ class Gateway:
                 raise model
             return await run(model)
 
-        return self._future(tenant, f"{kind}:{body_model}:{seq}", kind, work, model_id=str(body_model))
+        return self.futures.start(tenant, f"{kind}:{body_model}:{seq}", kind, work, model_id=str(body_model))
 
     @app.post(API + "/forward_backward")
     async def forward_backward(self, request: Request):
@@ -260,7 +223,7 @@ class Gateway:
             async def fail():
                 raise error
 
-            return self._future(tenant, None, "forward_backward", fail)
+            return self.futures.start(tenant, None, "forward_backward", fail)
 
         async def run(model):
             return await self._submit(
@@ -311,8 +274,8 @@ class Gateway:
         log.info("tenant %s: saved %s (step %d) as artifact %s", tenant, path, saved["steps"], ref.key)
         return path
 
-    def _checkpoint(self, path: Any, tenant: str) -> tuple[str, str]:
-        """(base name, local folder) of a checkpoint this tenant saved; 404 for any other path."""
+    def _checkpoint(self, path: Any, tenant: str) -> tuple[str, str, int]:
+        """(base name, local folder, LoRA rank) of a checkpoint this tenant saved; 404 for any other path."""
         try:
             checkpoints.parse(path)
         except UserError as e:
@@ -320,10 +283,11 @@ class Gateway:
         if self.journal.checkpoint_owner(path) != tenant:
             raise HTTPException(404, f"path: no checkpoint {path} for this API key")
         ref = checkpoints.resolve(self.store, path)
-        base = self.store.manifest(ref).get("base_model")
+        manifest = self.store.manifest(ref)
+        base = manifest.get("base_model")
         if base not in self.bases:
             raise HTTPException(400, f"path: {path} was trained on {base!r}, which this server does not serve")
-        return base, str(self.store.local_path(ref))
+        return base, str(self.store.local_path(ref)), int(manifest.get("lora_rank") or 0)
 
     @app.post(API + "/save_weights")
     async def save_weights(self, request: Request):
@@ -361,7 +325,7 @@ class Gateway:
         tenant = self._tenant(request)
         body = await self._json(request)
         path = body.get("path")
-        base, folder = self._checkpoint(path, tenant)
+        base, folder, rank = self._checkpoint(path, tenant)
         with_state = bool(body.get("optimizer"))
         if body.get("session_id") is not None:  # a new training client from a checkpoint
             session = self._session(body["session_id"], tenant)
@@ -369,7 +333,7 @@ class Gateway:
             adapter, drop = f"t{uuid.uuid4().hex[:12]}", []
             dedupe = f"load:{model_id}"
             if not self.journal.find_future(dedupe, tenant):
-                self.journal.add_model(model_id, tenant, session, base, adapter, 0)
+                self.journal.add_model(model_id, tenant, session, base, adapter, rank)
         else:  # load into an existing training client
             model_id = str(body.get("model_id"))
             model = self._model(model_id, tenant)
@@ -383,7 +347,7 @@ class Gateway:
             log.info("tenant %s: model %s loaded from %s (optimizer: %s)", tenant, model_id, path, with_state)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
-        return self._future(tenant, dedupe, "load_weights", work, model_id=model_id)
+        return self.futures.start(tenant, dedupe, "load_weights", work, model_id=model_id)
 
     # --------------------------------------------------------------------------------------------- sampling
     @app.post(API + "/create_sampling_session")
@@ -394,7 +358,7 @@ class Gateway:
         sampler_id = f"{session}:sample:{body.get('sampling_session_seq_id', 0)}"
         path = body.get("model_path")
         if path:
-            base, folder = self._checkpoint(path, tenant)
+            base, folder, _ = self._checkpoint(path, tenant)
             adapter = f"p{uuid.uuid4().hex[:12]}"
             payload = {"adapter": adapter, "folder": folder, "with_state": False, "trainable": False}
             try:
@@ -437,32 +401,14 @@ class Gateway:
             return result
 
         dedupe = f"sample:{sampler_id}:{body.get('seq_id')}"
-        return self._future(tenant, dedupe, "sample", work, sample_sequence_ids=ids)
+        return self.futures.start(tenant, dedupe, "sample", work, sample_sequence_ids=ids)
 
     # ------------------------------------------------------------------------------------------------ futures
     @app.post(API + "/retrieve_future")
     async def retrieve_future(self, request: Request):
         tenant = self._tenant(request)
         body = await self._json(request)
-        request_id = str(body.get("request_id"))
-        if request_id in self.tasks and self.tasks[request_id][0] == tenant:
-            try:
-                outcome = await asyncio.wait_for(
-                    asyncio.shield(self.tasks[request_id][1]), self.settings["long_poll_s"]
-                )
-            except TimeoutError:
-                return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
-        elif request_id in self.outcomes:
-            outcome = self.outcomes[request_id][1]
-        else:
-            outcome = self.journal.past_future(request_id, tenant)
-            if outcome is None:
-                raise HTTPException(404, f"request_id: no request {request_id!r} for this API key")
-        if "error" in outcome:
-            return {"error": outcome["error"], "category": outcome["category"]}
-        if isinstance(outcome["result"], bytes):
-            return Response(content=outcome["result"], media_type=PROTOBUF)
-        return outcome["result"]
+        return await self.futures.retrieve(str(body.get("request_id")), tenant)
 
     @app.get(API + "/posttrain/status")
     async def status(self, request: Request):
@@ -473,7 +419,7 @@ class Gateway:
         return {
             "epoch": self.journal.epoch,
             "workers": workers,
-            "unfinished": self.unfinished,
-            "rejected": self.rejected,
+            "unfinished": self.futures.unfinished,
+            "rejected": self.futures.rejected,
             "routes_seen": routes,
         }

@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from posttrain_core.env import own_ray_environment
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -55,7 +57,7 @@ class ServiceProcess:
                "--state-dir", str(self.state_dir)]  # fmt: skip
         for name, value in self.flags.items():
             cmd += [f"--{name}", str(value)]
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env = own_ray_environment()
         out = self.log.open("a")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -87,7 +89,7 @@ class ServiceProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
+                self.proc.wait(15)
         for group in self.groups:  # whatever a crash left behind
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)

@@ -71,7 +71,7 @@ class ModelWorker:
         self.queues: dict[str, deque[_Item]] = {}
         self.turns: deque[str] = deque()  # tenants in round-robin order
         self.wakeup = threading.Condition()
-        self.stats = {"rounds": 0, "fwdbwd_tokens": 0, "sampled_tokens": 0}
+        self.stats = {"rounds": 0, "busy_s": 0.0, "fwdbwd_tokens": 0, "sampled_tokens": 0}
         threading.Thread(target=self._run, name=f"compute-{name}", daemon=True).start()
         log.info("worker %s: %s loaded (vocab %d, context %d)", name, path, self.vocab_size, self.max_length)
 
@@ -151,6 +151,7 @@ class ModelWorker:
                     self.wakeup.wait()
                 picked = self._round()
             self.stats["rounds"] += 1
+            started = time.perf_counter()
             fwdbwd = [i for _, items in picked for i in items if i.kind == "forward_backward"]
             samples = [i for _, items in picked for i in items if i.kind == "sample"]
             others = [i for _, items in picked for i in items if i.kind not in BATCHABLE]
@@ -160,6 +161,7 @@ class ModelWorker:
                 self._execute(group, self._sample)
             for item in others:
                 self._execute([item], lambda items: [self._single(items[0])])
+            self.stats["busy_s"] += time.perf_counter() - started
 
     def _by_adapters(self, items: list[_Item]) -> list[list[_Item]]:
         """Split a round's batchable items into groups of at most `max_loras` distinct adapters each."""
