@@ -137,17 +137,17 @@ def test_eviction_keeps_weights_optimizer_and_pending_gradients_bit_exact(tmp_pa
     ids = torch.randint(0, 64, (2, 6))
     for pool in pools:
         spec = spec_from_request({"rank": 4, "seed": 3}, 8, pool.linear_names)
-        pool.create("a", spec)
-        pool.create("b", spec_from_request({"rank": 2}, 8, pool.linear_names))
-        for name in ("a", "b", "a", "b", "a"):  # a forward/backward, then (every other time) the step
+        pool.create("ta", spec)
+        pool.create("tb", spec_from_request({"rank": 2}, 8, pool.linear_names))
+        for name in ("ta", "tb", "ta", "tb", "ta"):  # a forward/backward, then (every other time) the step
             pool.ensure([name])
             logits = pool.model(input_ids=ids, adapter_names=[name, "__base__"]).logits
             logits.float().log_softmax(-1)[..., 0].sum().backward()
-            if name == "a":
-                pool.optim_step("a", {"learning_rate": 1e-2})
-        pool.optim_step("b", {"learning_rate": 1e-2})
+            if name == "ta":
+                pool.optim_step("ta", {"learning_rate": 1e-2})
+        pool.optim_step("tb", {"learning_rate": 1e-2})
     assert pools[0].evictions >= 4 and pools[1].evictions == 0
-    for name in ("a", "b"):
+    for name in ("ta", "tb"):
         for pool in pools:
             pool.ensure([name])
         spilled, kept = (pool._params(name) for pool in pools)

@@ -105,7 +105,10 @@ class LoraPool:
         wanted = [n for n in dict.fromkeys(names) if n != BASE]
         for n in wanted:
             if n not in self.adapters:
-                raise UserError(f"model {n!r} does not exist on this server (closed, or never created)")
+                raise UserError(
+                    f"adapter {n!r} is not on this server (its session closed, a newer sampler snapshot replaced it,"
+                    " or it was never created)"
+                )
         if len(wanted) > self.max_loras:
             raise ValueError(f"{len(wanted)} adapters in one batch exceed max_loras={self.max_loras}")
         now = time.monotonic()

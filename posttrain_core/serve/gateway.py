@@ -173,7 +173,8 @@ class Gateway:
             return {"model_id": model_id, "type": "create_model"}
 
         if not self.journal.find_future(f"create:{model_id}", tenant):
-            self.journal.add_model(model_id, tenant, session, base, adapter, int(lora.get("rank") or 0))
+            rank = lora.get("rank") if isinstance(lora.get("rank"), int) else 0  # the worker refuses a bad one
+            self.journal.add_model(model_id, tenant, session, base, adapter, rank)
         return self.futures.start(tenant, f"create:{model_id}", "create_model", work, model_id=model_id)
 
     @app.post(API + "/get_info")
@@ -419,7 +420,7 @@ class Gateway:
         return {
             "epoch": self.journal.epoch,
             "workers": workers,
-            "unfinished": self.futures.unfinished,
+            "unfinished": sum(self.futures.unfinished.values()),  # a total: tenants do not see each other
             "rejected": self.futures.rejected,
             "routes_seen": routes,
         }

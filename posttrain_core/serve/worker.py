@@ -150,18 +150,28 @@ class ModelWorker:
                 while not any(self.queues.values()):
                     self.wakeup.wait()
                 picked = self._round()
-            self.stats["rounds"] += 1
-            started = time.perf_counter()
-            fwdbwd = [i for _, items in picked for i in items if i.kind == "forward_backward"]
-            samples = [i for _, items in picked for i in items if i.kind == "sample"]
-            others = [i for _, items in picked for i in items if i.kind not in BATCHABLE]
-            for group in self._by_adapters(fwdbwd):
-                self._execute(group, self._forward_backward)
-            for group in self._by_adapters(samples):
-                self._execute(group, self._sample)
-            for item in others:
-                self._execute([item], lambda items: [self._single(items[0])])
-            self.stats["busy_s"] += time.perf_counter() - started
+            try:
+                self._work(picked)
+            except Exception as e:  # never leave the thread (every later request would wait forever)
+                log.error("worker %s: a round failed:\n%s", self.name, traceback.format_exc())
+                failed = {"error": f"{type(e).__name__}: {e}", "category": "server"}
+                for item in (item for _, items in picked for item in items):
+                    item.loop.call_soon_threadsafe(_resolve, item.future, failed)
+
+    def _work(self, picked: list[tuple[str, list[_Item]]]) -> None:
+        """One round: every tenant's forward_backward in shared passes, samples in shared batches, the rest alone."""
+        self.stats["rounds"] += 1
+        started = time.perf_counter()
+        fwdbwd = [i for _, items in picked for i in items if i.kind == "forward_backward"]
+        samples = [i for _, items in picked for i in items if i.kind == "sample"]
+        others = [i for _, items in picked for i in items if i.kind not in BATCHABLE]
+        for group in self._by_adapters(fwdbwd):
+            self._execute(group, self._forward_backward)
+        for group in self._by_adapters(samples):
+            self._execute(group, self._sample)
+        for item in others:
+            self._execute([item], lambda items: [self._single(items[0])])
+        self.stats["busy_s"] += time.perf_counter() - started
 
     def _by_adapters(self, items: list[_Item]) -> list[list[_Item]]:
         """Split a round's batchable items into groups of at most `max_loras` distinct adapters each."""
