@@ -29,9 +29,9 @@ FACTS = {
 
 
 def datum(tokenizer, text: str) -> types.Datum:
-    """Next-token prediction on the answer only: the question's tokens get weight 0."""
+    """Next-token prediction on the answer and the end-of-sequence token after it; the question gets weight 0."""
     question, answer = text.rsplit("? ", 1)
-    prompt, full = tokenizer.encode(question + "? "), tokenizer.encode(text)
+    prompt, full = tokenizer.encode(question + "? "), tokenizer.encode(text) + [tokenizer.eos_token_id]
     weights = [0.0] * (len(prompt) - 1) + [1.0] * (len(full) - len(prompt))
     return types.Datum(
         model_input=types.ModelInput.from_ints(full[:-1]),
@@ -54,10 +54,10 @@ def tenant(url: str, key: str, base: str, steps: int, out: dict) -> None:
         losses.append(result.metrics["loss:sum"] / weight)  # mean NLL per answer token
     sampler = training.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(tokenizer.encode(FACTS[key][0].rsplit("? ", 1)[0] + "? "))
-    sample = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result()
+    sample = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0)).result()
     out[key] = {
         "losses": losses,
-        "sample": tokenizer.decode(sample.sequences[0].tokens),
+        "sample": tokenizer.decode(sample.sequences[0].tokens, skip_special_tokens=True),
         "path": training.save_state(f"step-{steps}").result().path,
     }
 
