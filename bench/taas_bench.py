@@ -35,16 +35,6 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def _tiny_model(root: Path, size: str) -> Path:
-    from posttrain_core.models.tiny import TINY_PRESETS, build_tiny_checkpoint
-    from posttrain_core.models.tokenizer import train_tokenizer
-
-    words = "the of and to in is was for on that with as by at from his her it be are this".split()
-    rng = np.random.default_rng(0)
-    corpus = [" ".join(rng.choice(words, 40)) for _ in range(400)]
-    return build_tiny_checkpoint(root / "model", train_tokenizer(corpus, vocab_size=512), seed=0, **TINY_PRESETS[size])
-
-
 class Tenant:
     def __init__(self, url: str, key: str, base: str, args, seed: int):
         import tinker
@@ -127,6 +117,7 @@ def _scenario(tenants: list[Tenant], concurrent: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from bench.common import build_model
     from posttrain_core.serve.process import ServiceProcess
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
 
     root = Path(tempfile.mkdtemp(prefix="taas-bench-"))
-    model = Path(args.model) if args.model else _tiny_model(root, args.size)
+    model = Path(args.model) if args.model else Path(build_model(root / "model", args.size, vocab_size=512).path)
     service = ServiceProcess("bench/base", model, root / "store", root / "state", root / "serve.log", KEYS,
                              max_loras=args.tenants, max_queued=64,
                              **({"threads": args.threads} if args.threads else {}))  # fmt: skip

@@ -27,6 +27,7 @@ from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import DataConfig, EvalConfig
 from posttrain_core.models.build import LATEST, stored_model
+from posttrain_core.serve.checkpoints import PREFIX as TINKER
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 
@@ -59,7 +60,7 @@ def resolve_model(store: ArtifactStore, spec: str, field: str = "models") -> Art
         LookupError: `latest:STAGE` and that stage published no model yet (names `field` and the stages that did).
         ValueError: no artifact or folder, or more than one artifact, matches; or the match is not a model.
     """
-    if spec.startswith((LATEST, "tinker://")):
+    if spec.startswith((LATEST, TINKER)):
         try:
             return stored_model(spec, store, field)
         except FileNotFoundError as e:

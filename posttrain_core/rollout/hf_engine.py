@@ -79,6 +79,16 @@ def sample_tokens(
     return tokens_B.clamp_(max=logits_B_V.shape[-1] - 1)
 
 
+def eos_and_pad(tokenizer, model: torch.nn.Module) -> tuple[list[int], int]:
+    """(the tokens that end a sample: the tokenizer's eos and the generation config's, the padding token: the
+    tokenizer's, else the first eos)."""
+    eos = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    eos_ids = sorted(i for i in eos if i is not None)
+    return eos_ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+
+
 @dataclass
 class _Sample:
     row: int  # index of the prompt row in the input table
@@ -135,12 +145,7 @@ class HFEngine:
         self.tokenizer = load_tokenizer(model_path, require_chat_template=True)
         self.model = load_causal_lm(model_path, dtype=self.dtype).eval()
         self.max_context = info.get("max_position_embeddings")
-        eos = {self.tokenizer.eos_token_id}
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-        self.eos_ids = sorted(i for i in eos if i is not None)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        self.eos_ids, self.pad_id = eos_and_pad(self.tokenizer, self.model)
         return "reloaded"
 
     def close(self) -> None:

@@ -10,11 +10,10 @@ The pool is not thread-safe: the worker's single compute thread owns it.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -247,7 +246,6 @@ class LoraPool:
             base_model_name_or_path=base_path,
         )
         config.save_pretrained(str(folder))
-        (folder / "posttrain_adapter.json").write_text(json.dumps(asdict(spec)))
         if with_state:
             state = {
                 "optimizer": adapter.optimizer.state_dict() if adapter.optimizer is not None else None,
@@ -258,8 +256,10 @@ class LoraPool:
 
     def load(self, name: str, folder: Path, with_state: bool, trainable: bool = True) -> AdapterSpec:
         """A new adapter `name` from a folder `save` wrote (weights; `with_state`: optimizer state too)."""
-        fields = json.loads((folder / "posttrain_adapter.json").read_text())
-        spec = AdapterSpec(**{**fields, "targets": tuple(fields["targets"])})
+        from peft import LoraConfig
+
+        config = LoraConfig.from_pretrained(str(folder))  # its adapter_config.json; the weights come next
+        spec = AdapterSpec(rank=config.r, alpha=config.lora_alpha, targets=tuple(sorted(config.target_modules)))
         self.create(name, spec, trainable=trainable)
         self._load_into(name, folder, with_state)
         return spec

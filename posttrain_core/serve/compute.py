@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from posttrain_core.algorithms.losses import token_logprobs as logprobs_of
 from posttrain_core.rollout.engine import SamplingSettings
 from posttrain_core.rollout.hf_engine import decode, sample_seed
 from posttrain_core.serve.adapters import LoraPool
@@ -48,12 +49,12 @@ def token_logprobs(pool: LoraPool, rows: list[_Row], targets: list[list[int]], p
     for i, r in enumerate(rows):
         ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
         mask[i, : len(r.tokens)] = 1
+    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    for i, target in enumerate(targets):
+        labels[i, : len(target)] = torch.tensor(target)
     logits = pool.model(input_ids=ids, attention_mask=mask, adapter_names=[r.adapter for r in rows]).logits
-    out = []
-    for i, (r, target) in enumerate(zip(rows, targets, strict=True)):
-        logp_T_V = torch.log_softmax(logits[i, : len(r.tokens)].float(), dim=-1)
-        out.append(logp_T_V.gather(-1, torch.tensor(target)[:, None]).squeeze(-1))
-    return out
+    logp_B_T = logprobs_of(logits, labels)
+    return [logp_B_T[i, : len(r.tokens)] for i, r in enumerate(rows)]
 
 
 def forward_backward(

@@ -13,15 +13,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from posttrain_core.cluster import free_port
 from posttrain_core.env import own_ray_environment
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServiceProcess:

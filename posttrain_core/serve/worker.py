@@ -51,6 +51,7 @@ class ModelWorker:
         import torch
 
         from posttrain_core.models.loading import check_model_path, load_causal_lm, load_tokenizer
+        from posttrain_core.rollout.hf_engine import eos_and_pad
         from posttrain_core.serve.adapters import LoraPool
 
         if settings.get("threads"):
@@ -59,11 +60,7 @@ class ModelWorker:
         self.name, self.path, self.settings = name, str(Path(path).resolve()), settings
         self.tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=settings.get("dtype", "float32")).eval()
-        eos = {self.tokenizer.eos_token_id}
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-        self.eos_ids = sorted(i for i in eos if i is not None)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.eos_ids, self.pad_id = eos_and_pad(self.tokenizer, model)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(info.get("max_position_embeddings") or 2048)
         spill = Path(settings["state_dir"]) / "spill" / name.replace("/", "_")
