@@ -107,6 +107,38 @@ def score(tokenizer, ids, attn, P: int, answers: list[str]) -> torch.Tensor:
     return torch.tensor([exact_match(None, t, a)["exact_match"] for t, a in zip(texts, answers, strict=True)])
 
 
+def update(policy, reference, opt, seq, attn, P: int, rewards, group, updates: int) -> dict:
+    """Steps 3-5 of a GRPO step on sampled responses (columns P.. of seq): advantages, old and reference log-probs,
+    then `updates` optimizer steps. Returns the means over those steps of loss, pg_loss, kl, clip_frac, entropy and
+    grad_norm, and `old_logp`, the sampling policy's recomputed log-probs."""
+    mask = attn[:, P:].float()
+    # 3. Group-standardised advantages, the same on every token of a response.
+    adv = broadcast_advantages(grpo_advantages(rewards, group), mask)
+    # 4. Log-probs of the sampling policy ("old") and of the reference, recomputed over prompt + response.
+    with torch.no_grad():
+        old = response_logp(policy, seq, attn, P)[0]
+        ref = response_logp(reference, seq, attn, P)[0]
+    # 5. One optimizer step per mini-batch of whole groups: in the first, rho = 1 (up to float rounding: old is
+    # the current policy); later ones see a policy that has moved, which is where the clip bites.
+    settings = LossSettings(loss_agg=GRPO["loss_agg"], clip_low=GRPO["clip_low"], clip_high=GRPO["clip_high"])
+    policy.train()
+    m = dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"), 0.0)
+    for rows in torch.arange(len(rewards)).chunk(updates):
+        logp, logits = response_logp(policy, seq[rows], attn[rows], P)
+        pg, info = clip_policy_loss(logp, old[rows], adv[rows], mask[rows], settings)
+        kl = settings.aggregate(kl_estimate(logp, ref[rows], GRPO["kl_estimator"]), mask[rows])
+        loss = pg + GRPO["kl_coef"] * kl
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stats = dict(loss=loss, pg_loss=pg, kl=kl, clip_frac=info["clip_frac"], grad_norm=grad_norm)
+        stats["entropy"] = masked_mean(entropy_from_logits(logits.detach()), mask[rows])
+        for k, v in stats.items():
+            m[k] += v.item() / updates
+    return {**m, "old_logp": old}
+
+
 def run(steps: int = 20, seed: int = 0, prompts: int = 32, samples: int = 8, lr: float = 5e-4, sft_steps: int = 200,
         updates: int = 2, threads: int = 1, log=None) -> list[dict]:  # fmt: skip
     """Warm up, then `steps` GRPO steps of `prompts` x `samples` responses and `updates` optimizer steps each.
@@ -126,7 +158,6 @@ def run(steps: int = 20, seed: int = 0, prompts: int = 32, samples: int = 8, lr:
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     encoded = [tokenize_prompt(tokenizer, user(p.question)) for p in problems]
-    settings = LossSettings(loss_agg=GRPO["loss_agg"], clip_low=GRPO["clip_low"], clip_high=GRPO["clip_high"])
     history = []
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -135,35 +166,15 @@ def run(steps: int = 20, seed: int = 0, prompts: int = 32, samples: int = 8, lr:
         policy.eval()
         seq, attn, P, sampled_logp = sample(policy, [encoded[i] for i in chosen], samples, eos, pad, g)
         mask = attn[:, P:].float()
-        # 2. Verifier rewards; 3. group-standardised advantages, the same on every token of a response.
+        # 2. Verifier rewards; 3-5. advantages, old and reference log-probs, optimizer steps (`update`).
         rewards = score(tokenizer, seq, attn, P, [problems[i].answer for i in chosen for _ in range(samples)])
         group = torch.arange(len(chosen)).repeat_interleave(samples)
-        adv = broadcast_advantages(grpo_advantages(rewards, group), mask)
-        # 4. Log-probs of the sampling policy ("old") and of the reference, recomputed over prompt + response.
-        with torch.no_grad():
-            old = response_logp(policy, seq, attn, P)[0]
-            ref = response_logp(reference, seq, attn, P)[0]
-        # 5. One optimizer step per mini-batch of whole groups: in the first, rho = 1 (up to float rounding: old is
-        # the current policy); later ones see a policy that has moved, which is where the clip bites.
-        policy.train()
-        m = dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "entropy", "grad_norm"), 0.0)
-        for rows in torch.arange(len(rewards)).chunk(updates):
-            logp, logits = response_logp(policy, seq[rows], attn[rows], P)
-            pg, info = clip_policy_loss(logp, old[rows], adv[rows], mask[rows], settings)
-            kl = settings.aggregate(kl_estimate(logp, ref[rows], GRPO["kl_estimator"]), mask[rows])
-            loss = pg + GRPO["kl_coef"] * kl
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            stats = dict(loss=loss, pg_loss=pg, kl=kl, clip_frac=info["clip_frac"], grad_norm=grad_norm)
-            stats["entropy"] = masked_mean(entropy_from_logits(logits.detach()), mask[rows])
-            for k, v in stats.items():
-                m[k] += v.item() / updates
+        m = update(policy, reference, opt, seq, attn, P, rewards, group, updates)
         # 6. Greedy accuracy of the updated policy on all the task's questions.
         policy.eval()
         e_seq, e_attn, e_P, _ = sample(policy, encoded, 1, eos, pad, None)
         acc = score(tokenizer, e_seq, e_attn, e_P, [p.answer for p in problems]).mean().item()
+        old = m.pop("old_logp")
         m.update(step=step, reward=rewards.mean().item(), acc=acc, length=mask.sum(-1).mean().item(),
                  logp_gap=(sampled_logp - old).abs().max().item(), seconds=time.perf_counter() - t0)  # fmt: skip
         history.append(m)

@@ -1,25 +1,32 @@
-"""examples/minimal_grpo.py: three seeded GRPO steps reproduce pinned losses and rewards, and learning is wired.
+"""examples/minimal_grpo.py: its update pinned on fixed responses, and a seeded run that learns.
 
-The pinned numbers were produced on this project's CPU build of torch (2.13.0+cpu) and confirmed bit for bit over
-repeated runs and with 1 and 2 threads. If a torch / transformers upgrade or another CPU changes float rounding, a
-sampled token can flip and the numbers move: rerun the example with the settings below, check that the run is still
-deterministic (twice, same output) and sane, and re-pin.
+The pinned numbers are of `update` (advantages, old and reference log-probs, two clipped optimizer steps) on fixed,
+hand-written responses to two problems, with the tiny model as initialised: nothing is sampled, so no float rounding
+can flip a token, and every pinned number is a continuous function of the weights. Another CPU or thread count
+rounds differently by ~1e-7 relative; the tolerance is 1e-3. The end-to-end run, which samples, is checked for
+behaviour only (finite, learning wired, the sampler's log-probs are the trainer's).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "minimal_grpo.py"
 
-# run(steps=3, seed=0, prompts=8, samples=4, sft_steps=100, threads=1)
-PINNED_LOSSES = [0.00035597415305399505, 0.0038492409512400627, 0.002342263818718493]
-PINNED_REWARDS = [0.03125, 0.21875, 0.25]
+# Two calls of update(..., updates=2) on `fixed_batch`, policy seed 0, lr 5e-4 (the second sees a moved policy).
+PINNED = [
+    {"loss": 0.03452265448868275, "pg_loss": 0.03374256566166878, "kl": 0.019502222537994385,
+     "entropy": 6.0908472537994385, "grad_norm": 2.0660600662231445},
+    {"loss": 0.042548201978206635, "pg_loss": 0.03574032709002495, "kl": 0.17019686102867126,
+     "entropy": 6.087885141372681, "grad_norm": 1.4830937385559082},
+]  # fmt: skip
 
 
 def _load_example():
@@ -39,10 +46,46 @@ def history(example):
     return example.run(steps=3, seed=0, prompts=8, samples=4, sft_steps=100, threads=1)
 
 
-def test_losses_and_rewards_are_pinned(history):
-    assert [m["step"] for m in history] == [1, 2, 3]
-    assert [m["loss"] for m in history] == pytest.approx(PINNED_LOSSES, rel=1e-6, abs=1e-9)
-    assert [m["reward"] for m in history] == PINNED_REWARDS  # multiples of 1/32: exact
+def fixed_batch(example, tokenizer, problems):
+    """Four written responses to each of two problems (right, wrong, wrong, wrong), laid out as `sample` returns
+    them: (seq_B_L, attn_B_L, P), prompts left-padded to P columns, each response ending with end-of-sequence."""
+    from posttrain_core.data.chat import tokenize_prompt
+    from posttrain_core.models.heads import left_padded
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompts = [tokenize_prompt(tokenizer, example.user(p.question)) for p in problems]
+    ids, attn = left_padded([p for p in prompts for _ in range(4)], pad)
+    texts = [t for p in problems for t in (p.answer, str(int(p.answer) + 1), p.answer * 2, "7")]
+    responses = [tokenizer.encode(t, add_special_tokens=False) + [eos] for t in texts]
+    width = max(map(len, responses))
+    r_ids = torch.full((len(responses), width), pad)
+    r_attn = torch.zeros((len(responses), width), dtype=torch.long)
+    for i, r in enumerate(responses):
+        r_ids[i, : len(r)], r_attn[i, : len(r)] = torch.tensor(r), 1
+    return torch.cat([ids, r_ids], 1), torch.cat([attn, r_attn], 1), ids.shape[1]
+
+
+def test_the_update_is_pinned_on_fixed_responses(example):
+    from posttrain_core.data.synthetic import corpus_for_tokenizer, make_problems
+    from posttrain_core.models.tiny import TINY_PRESETS, build_tiny_model
+    from posttrain_core.models.tokenizer import train_tokenizer
+
+    torch.set_num_threads(1)
+    problems = make_problems(["arithmetic"], n=example.N_PROBLEMS, seed=0, max_digits=1, worked=False)
+    tokenizer = train_tokenizer(corpus_for_tokenizer(problems))
+    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                   bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    policy = build_tiny_model(vocab_size=len(tokenizer), **special, **TINY_PRESETS["small"], seed=0)
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=5e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    seq, attn, P = fixed_batch(example, tokenizer, problems[:2])
+    rewards = example.score(tokenizer, seq, attn, P, [p.answer for p in problems[:2] for _ in range(4)])
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0] * 2  # the verifier on the written answers: exact
+    group = torch.arange(2).repeat_interleave(4)
+    for pinned in PINNED:
+        m = example.update(policy, reference, opt, seq, attn, P, rewards, group, updates=2)
+        assert 0.0 <= m["clip_frac"] <= 1.0
+        assert {k: m[k] for k in pinned} == pytest.approx(pinned, rel=1e-3, abs=1e-7)
 
 
 def test_learning_is_wired(history):

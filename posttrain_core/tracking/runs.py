@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -129,14 +128,10 @@ class RunLogger:
 
     def log_dict(self, obj: Any, name: str) -> None:
         text = json.dumps(obj, indent=2, default=str)  # now: the caller may change `obj` after this returns
-
-        def write() -> None:
-            with tempfile.TemporaryDirectory() as d:
-                path = Path(d) / name
-                path.write_text(text)
-                self._client().log_artifact(self.run_id, str(path))
-
-        self._write(f"log {name}", write)
+        # The text travels with the call, not as a temporary file: a write still queued when the process exits would
+        # find its file already deleted (interpreter shutdown runs temporary-folder finalizers before the exit-time
+        # flush), and the helper process writes its own copy anyway.
+        self._write(f"log {name}", lambda: self._client().log_text(self.run_id, text, name))
 
     def log_artifact(self, path: str | os.PathLike) -> None:
         """Copies the file at `path`, which must stay as it is until `flush()` when the logger is `background`."""
