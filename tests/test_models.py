@@ -17,10 +17,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from posttrain_core.config import LoraConfig  # noqa: E402
 from posttrain_core.models import (  # noqa: E402
     CHAT_TEMPLATE,
     TINY_PRESETS,
-    LoraSettings,
     apply_lora,
     build_tiny_checkpoint,
     build_tiny_model,
@@ -229,7 +229,7 @@ def test_bfloat16_load(checkpoint):
 def test_lora_trains_saves_merges_and_disables(checkpoint, tokenizer, tmp_path):
     ids = _ids(tokenizer)
     base_logits = _logits(load_causal_lm(checkpoint), ids)
-    model = apply_lora(load_causal_lm(checkpoint), LoraSettings(r=4, alpha=8), seed=0)
+    model = apply_lora(load_causal_lm(checkpoint), LoraConfig(r=4, alpha=8), seed=0)
 
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -273,8 +273,8 @@ def test_lora_trains_saves_merges_and_disables(checkpoint, tokenizer, tmp_path):
 
 def test_lora_errors_and_pickle(tokenizer):
     with pytest.raises(ValueError, match="wq"):
-        apply_lora(build_tiny_model(vocab_size=len(tokenizer)), LoraSettings(target_modules=("wq", "wk")))
-    settings = LoraSettings(r=2, target_modules=("q_proj",))
+        apply_lora(build_tiny_model(vocab_size=len(tokenizer)), LoraConfig(target_modules=["wq", "wk"]))
+    settings = LoraConfig(r=2, target_modules=["q_proj"])
     assert pickle.loads(pickle.dumps(settings)) == settings
     with pytest.raises(ValueError, match="base_model"):
         save_checkpoint(apply_lora(build_tiny_model(vocab_size=len(tokenizer)), settings), None, "/nonexistent/x")
@@ -283,7 +283,7 @@ def test_lora_errors_and_pickle(tokenizer):
 @pytest.mark.filterwarnings("ignore:Could not find a config file")
 def test_adapter_with_missing_base(checkpoint, tmp_path):
     adapter = tmp_path / "adapter"
-    model = apply_lora(load_causal_lm(checkpoint), LoraSettings(r=2), seed=0)
+    model = apply_lora(load_causal_lm(checkpoint), LoraConfig(r=2), seed=0)
     save_checkpoint(model, None, adapter, base_model=tmp_path / "gone")
     with pytest.raises(FileNotFoundError, match="gone"):
         check_model_path(adapter)
@@ -296,33 +296,103 @@ def test_import_is_light():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_selected_logits_equal_the_full_forward_and_its_gradients(arch, lora):
-    """The LM head on selected positions only gives the full forward's logits there, and the same gradients."""
-    from posttrain_core.models.heads import SelectedLogits
+def test_token_logprobs_equal_the_full_forward_and_its_gradients(arch, lora, monkeypatch):
+    """The LM head on selected positions only, a few positions per chunk (recomputed in the backward pass), gives
+    the full forward's log-probs and entropies there, and the same gradients."""
+    from posttrain_core.algorithms.losses import entropy_from_logits, token_logprobs
+    from posttrain_core.models import heads
+
+    monkeypatch.setattr(heads, "LOGIT_CHUNK_BYTES", 4 * 300 * 2)  # 2 positions per chunk: several chunks per pass
 
     def build():
         m = build_tiny_model(arch=arch, vocab_size=300, seed=3)
-        return apply_lora(m, LoraSettings(r=4, alpha=8), seed=0) if lora else m
+        return apply_lora(m, LoraConfig(r=4, alpha=8), seed=0) if lora else m
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 300, (3, 9), generator=g)
     attn = torch.ones_like(ids)
     attn[1, 6:] = 0  # right padding
     keep = torch.rand(3, 9, generator=g) > 0.5
+    labels = torch.randint(0, 300, (3, 9), generator=g)
+    first = keep.nonzero()[0]
+    labels[first[0], first[1]] = -100  # a selected position without a label: log-prob 0
     pos = torch.tensor([[2, 3, 4], [1, 5, 5], [0, 7, 8]])
-    full_model, head = build(), SelectedLogits(build())
-    assert head.plain  # llama / qwen2 (and LoRA around them) take the hidden-state path
+    full_model, net = build(), heads.TokenLogprobs(build())
+    assert net.plain and net.rows == 2  # llama / qwen2 (and LoRA around them) take the hidden-state path
     full = full_model(input_ids=ids, attention_mask=attn).logits
-    assert torch.allclose(head(ids, attn, keep), full[keep], atol=1e-5)
-    picked = head(ids, attn, pos)
-    assert picked.shape == (3, 3, 300) and torch.allclose(picked[1, 1], full[1, 5], atol=1e-5)
+    want = token_logprobs(full[keep][None], labels[keep][None])[0]
+    logp, entropy = net(ids, attn, keep, labels[keep], entropy=True)
+    assert torch.allclose(logp, want, atol=1e-5) and logp[0] == 0.0
+    assert torch.allclose(entropy, entropy_from_logits(full[keep]), atol=1e-5)
+    picked, _ = net(ids, attn, pos, labels[:, :3])
+    assert picked.shape == (3, 3) and torch.allclose(picked[1, 1], token_logprobs(full[1:2, 5:6], labels[1:2, 1:2]))
 
-    full[keep].logsumexp(-1).sum().backward()
-    head(ids, attn, keep).logsumexp(-1).sum().backward()
+    weights = torch.arange(1.0, 1 + keep.sum())  # a loss that weighs every position differently
+    ((want * weights).sum() + entropy_from_logits(full[keep]).sum()).backward()
+    ((logp * weights).sum() + entropy.sum()).backward()
     grads = {n: p.grad for n, p in full_model.named_parameters() if p.requires_grad}
-    for name, p in head.lm.named_parameters():
+    for name, p in net.lm.named_parameters():
         if p.requires_grad:
             assert torch.allclose(p.grad, grads[name], atol=1e-5), name
+
+
+def test_sequence_logprobs_sum_each_rows_scored_tokens():
+    """DPO's per-row sums: position t - 1 predicts labels[t]; -100 is not scored; labels[0] never is."""
+    from posttrain_core.models.heads import TokenLogprobs, sequence_logprobs
+
+    model = build_tiny_model(vocab_size=300, seed=3)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, 300, (3, 6), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[2, 1:] = -100  # nothing scored: 0
+    logits = model(input_ids=ids).logits
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 300), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+    ).view(3, 5)
+    got = sequence_logprobs(TokenLogprobs(model), ids, torch.ones_like(ids), labels)
+    assert got.tolist() == pytest.approx((-ce.sum(-1)).tolist(), abs=1e-5) and got[2] == 0.0
+
+
+def test_a_mixed_adapter_pass_equals_each_adapter_alone():
+    """`posttrain serve`'s pass: rows of two LoRA adapters (the LM head adapted too) and of the base in one forward,
+    chunked head: each row's log-probs and each adapter's gradients are those of a pass of its rows alone."""
+    from posttrain_core.models import heads
+    from posttrain_core.models.lora import add_adapter
+
+    def build():
+        model = apply_lora(build_tiny_model(vocab_size=300, seed=3), LoraConfig(r=1, target_modules=["q_proj"]))
+        lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])
+        for k, name in enumerate(("a", "b")):
+            add_adapter(model, name, lora, seed=k)
+            for n, p in model.named_parameters():
+                if f".{name}." in n and "lora_B" in n:
+                    torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(k))
+        for n, p in model.named_parameters():
+            p.requires_grad_(".a." in n or ".b." in n)
+        return model.eval()
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(4, 300, (4, 7), generator=g)
+    attn = torch.ones_like(ids)
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    labels = torch.randint(0, 300, (4, 7), generator=g)
+    names = ["a", "b", "__base__", "a"]
+    mixed = heads.TokenLogprobs(build())
+    assert mixed.rows > 28  # one chunk: the per-position adapters of the head line up across the pass
+    logp, _ = mixed(ids, attn, keep, labels[keep], adapters=names)
+    logp.sum().backward()
+    alone = heads.TokenLogprobs(build())
+    for name in ("a", "b", "__base__"):
+        rows = [i for i, n in enumerate(names) if n == name]
+        got, _ = alone(ids[rows], attn[rows], keep[rows], labels[rows][keep[rows]], adapters=[name] * len(rows))
+        assert torch.allclose(logp.view(4, 7)[rows], got.view(len(rows), 7), atol=1e-5), name
+        if name != "__base__":  # no adapter, nothing to train
+            got.sum().backward()
+    want = dict(alone.named_parameters())
+    for n, p in mixed.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p.grad, want[n].grad, atol=1e-5), n
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -331,12 +401,12 @@ def test_shared_prompts_give_the_full_rows_logits_and_gradients(arch, lora):
     """Rows that repeat prompts (GRPO's n samples) with each distinct prompt run once: the full rows' response
     logits and gradients, with prompts of different lengths (one of a single token), an empty response, right
     padding, and rows in any order."""
-    from posttrain_core.models.heads import SelectedLogits
-    from posttrain_core.train.rl_batch import RLBatch, encode, encode_shared, response_logits
+    from posttrain_core.models.heads import TokenLogprobs
+    from posttrain_core.train.rl_batch import RLBatch, encode, encode_shared, response_logprobs
 
     def build():
         m = build_tiny_model(arch=arch, vocab_size=300, seed=3)
-        return apply_lora(m, LoraSettings(r=4, alpha=8), seed=0) if lora else m
+        return apply_lora(m, LoraConfig(r=4, alpha=8), seed=0) if lora else m
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 300, (n,), generator=g).tolist() for n in (7, 4, 1)]
@@ -353,14 +423,15 @@ def test_shared_prompts_give_the_full_rows_logits_and_gradients(arch, lora):
     assert shared is not None and shared[3].ids_U_P.shape == (3, 6)  # 3 distinct prompts, all but their last token
     assert encode_shared(batch, [0, 1, 3], 0) is None  # no prompt repeats: nothing to share
 
-    full_net, shared_net = SelectedLogits(build()), SelectedLogits(build())
-    full = response_logits(full_net, ids, attn, pos)
-    got = response_logits(shared_net, ids, attn, pos, shared)
-    assert got.shape == full.shape == (7, 5, 300)
+    full_net, shared_net = TokenLogprobs(build()), TokenLogprobs(build())
+    full, full_entropy = response_logprobs(full_net, ids, attn, pos, labels, entropy=True)
+    got, entropy = response_logprobs(shared_net, ids, attn, pos, labels, shared, entropy=True)
+    assert got.shape == full.shape == (7, 5)
     real = mask.bool()
     assert torch.allclose(got[real], full[real], atol=1e-5)
-    (full[real].logsumexp(-1) * torch.arange(1.0, 1 + real.sum())).sum().backward()
-    (got[real].logsumexp(-1) * torch.arange(1.0, 1 + real.sum())).sum().backward()
+    assert torch.allclose(entropy[real], full_entropy[real], atol=1e-5)
+    ((full[real] + full_entropy[real]) * torch.arange(1.0, 1 + real.sum())).sum().backward()
+    ((got[real] + entropy[real]) * torch.arange(1.0, 1 + real.sum())).sum().backward()
     grads = dict(full_net.named_parameters())
     for name, p in shared_net.named_parameters():
         if p.requires_grad:
@@ -369,17 +440,19 @@ def test_shared_prompts_give_the_full_rows_logits_and_gradients(arch, lora):
     model = build_tiny_model(vocab_size=300, seed=3)
     model.config.model_type = "gemma2"  # not a plain head: no shared path
     with pytest.raises(ValueError, match="plain-head"):
-        SelectedLogits(model)(*shared)
+        response_logprobs(TokenLogprobs(model), ids, attn, pos, labels, shared)
 
 
-def test_selected_logits_fall_back_to_the_models_own_forward():
+def test_token_logprobs_fall_back_to_the_models_own_forward():
     """An architecture whose logits are not a plain projection (or is unknown) keeps its own forward."""
-    from posttrain_core.models.heads import SelectedLogits
+    from posttrain_core.algorithms.losses import token_logprobs
+    from posttrain_core.models.heads import TokenLogprobs
 
     model = build_tiny_model(vocab_size=300, seed=3)
     model.config.model_type = "gemma2"  # soft-caps its logits in the CausalLM forward
-    head = SelectedLogits(model)
-    assert not head.plain
+    net = TokenLogprobs(model)
+    assert not net.plain
     ids = torch.randint(4, 300, (2, 5))
     keep = torch.ones(2, 5, dtype=torch.bool)
-    assert torch.equal(head(ids, torch.ones_like(ids), keep), model(input_ids=ids).logits[keep])
+    want = token_logprobs(model(input_ids=ids).logits, ids)[keep]
+    assert torch.equal(net(ids, torch.ones_like(ids), keep, ids[keep])[0], want)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from posttrain_core.algorithms.preference import DPO_LOSSES, LOSSES, bradley_terry_loss, dpo_loss, sequence_logprobs
+from posttrain_core.algorithms.preference import DPO_LOSSES, LOSSES, bradley_terry_loss, dpo_loss
 
 
 def _nls(x: float) -> float:
@@ -85,30 +85,6 @@ def test_dpo_rejects_bad_arguments():
         dpo_loss(LOGP_C, LOGP_R, REF_C, REF_R, beta=0.0)
     with pytest.raises(ValueError, match="shape"):
         dpo_loss(LOGP_C, LOGP_R[:1], REF_C, REF_R)
-
-
-def test_sequence_logprobs_1x3x4_hand_computed():
-    # Position 0 predicts token 1, position 1 predicts token 2; the last position predicts nothing.
-    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0], [9.0, 9.0, 9.0, 9.0]]])
-    labels = torch.tensor([[-100, 2, 3]])
-    # log softmax(uniform)[2] = -log 4; log softmax([1,2,3,4])[3] = 4 - logsumexp(1..4) = 4 - 4.4401897
-    expected = -math.log(4) + (4 - 4.4401897)
-    assert sequence_logprobs(logits, labels).tolist() == pytest.approx([expected], abs=1e-6)
-    assert sequence_logprobs(logits, torch.tensor([[-100, -100, 3]])).tolist() == pytest.approx([4 - 4.4401897])
-    assert sequence_logprobs(logits, torch.tensor([[5, -100, -100]])).tolist() == [0.0]  # labels[0] is never scored
-    with pytest.raises(ValueError, match="do not match"):
-        sequence_logprobs(logits, labels[:, :2])
-
-
-def test_sequence_logprobs_matches_cross_entropy():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 7, generator=g)
-    labels = torch.randint(0, 7, (2, 5), generator=g)
-    labels[0, :2] = -100
-    ce = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
-    ).view(2, 4)
-    assert sequence_logprobs(logits, labels).tolist() == pytest.approx((-ce.sum(-1)).tolist(), abs=1e-5)
 
 
 def test_registries():

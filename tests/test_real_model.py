@@ -62,10 +62,9 @@ def test_the_saved_adapter_loaded_with_peft_gives_the_trainers_log_probs(real_ru
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from posttrain_core.algorithms.losses import token_logprobs
     from posttrain_core.artifacts import ArtifactStore
     from posttrain_core.models.loading import load_causal_lm, load_tokenizer
-    from posttrain_core.train.rl_batch import encode, load_batch, response_logits
+    from posttrain_core.train.rl_batch import encode, load_batch, response_logprobs
 
     config, result = real_run
     store = ArtifactStore(config.store)
@@ -96,9 +95,9 @@ def test_the_saved_adapter_loaded_with_peft_gives_the_trainers_log_probs(real_ru
     # The same computation on the two loaders' models: bit for bit the same weights.
     assert all(torch.equal(a, b) for a, b in zip(theirs, one_row_at_a_time(trainer), strict=True))
     with torch.no_grad():
-        ours = token_logprobs(response_logits(trainer.eval(), ids, attn, pos), labels)
-    # The trainer's batched path: a right-padded batch and response-only logits sum in another order than one
-    # unpadded full forward; on this 30-layer model that alone moves fp32 log-probs by up to ~3e-5.
+        ours, _ = response_logprobs(trainer.eval(), ids, attn, pos, labels)
+    # The trainer's batched path: a right-padded batch and a chunked head on the response positions sum in another
+    # order than one unpadded full forward; on this 30-layer model that alone moves fp32 log-probs by up to ~3e-5.
     gaps = [(t - ours[b, : len(t)]).abs().max().item() for b, t in enumerate(theirs)]
     assert max(gaps) < 5e-5, gaps
     # The engine's log-probs of the same tokens (KV-cached generation) as the update reported them.

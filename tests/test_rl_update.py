@@ -46,10 +46,9 @@ def _scored_with(store, rollouts, rewards_of, name: str):
 def _sequence_logprobs(model_path: str, store, rollouts) -> list[float]:
     import torch
 
-    from posttrain_core.algorithms.losses import token_logprobs
     from posttrain_core.data.io import read_dataset
     from posttrain_core.models.loading import load_causal_lm
-    from posttrain_core.train.rl_batch import RLBatch, encode, response_logits
+    from posttrain_core.train.rl_batch import RLBatch, encode, response_logprobs
 
     rows = read_dataset(store.local_path(rollouts), "rollouts").to_pylist()
     batch = RLBatch(
@@ -64,7 +63,7 @@ def _sequence_logprobs(model_path: str, store, rollouts) -> list[float]:
     model = load_causal_lm(model_path).eval()
     ids, attn, pos, labels, mask = encode(batch, list(range(len(rows))), 0)
     with torch.no_grad():
-        logp = token_logprobs(response_logits(model, ids, attn, pos), labels)
+        logp, _ = response_logprobs(model, ids, attn, pos, labels)
     return (logp * mask).sum(-1).tolist()
 
 

@@ -134,12 +134,13 @@ def test_greedy_matches_generate_and_finish_reasons(engine, prompts_table):
 
 
 def test_lora_adapter_generates_through_the_adapter(tiny_inputs, engine, prompts_table, tmp_path):
+    from posttrain_core.config import LoraConfig
     from posttrain_core.models.loading import load_causal_lm, save_checkpoint
-    from posttrain_core.models.lora import LoraSettings, apply_lora
+    from posttrain_core.models.lora import apply_lora
     from posttrain_core.rollout.hf_engine import HFEngine
 
     _, _, base = tiny_inputs
-    peft_model = apply_lora(load_causal_lm(base.uri), LoraSettings(r=4, alpha=8), seed=0)
+    peft_model = apply_lora(load_causal_lm(base.uri), LoraConfig(r=4, alpha=8), seed=0)
     with torch.no_grad():  # B starts at zero (adapter == base): perturb it
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:

@@ -55,8 +55,9 @@ def _sharpen(path: Path, factor: float) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """Two tiny Llamas (head_dim 32, one tokenizer) and a LoRA adapter on the first, built here in the main venv."""
+    from posttrain_core.config import LoraConfig
     from posttrain_core.models.loading import load_causal_lm, load_tokenizer, save_checkpoint
-    from posttrain_core.models.lora import LoraSettings, apply_lora
+    from posttrain_core.models.lora import apply_lora
     from posttrain_core.models.tiny import build_tiny_checkpoint
     from posttrain_core.models.tokenizer import train_tokenizer
 
@@ -71,14 +72,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
             root / name, tokenizer, hidden_size=64, num_layers=2, num_heads=2, seed=seed
         )
         _sharpen(paths[name], 16.0)
-    peft_model = apply_lora(load_causal_lm(paths["m0"]), LoraSettings(r=4, alpha=8), seed=0)
+    peft_model = apply_lora(load_causal_lm(paths["m0"]), LoraConfig(r=4, alpha=8), seed=0)
     with torch.no_grad():  # B starts at zero (adapter == base): perturb it
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 2.0)
     save_checkpoint(peft_model, load_tokenizer(paths["m0"]), root / "adapter", base_model=paths["m0"])
     paths["adapter"] = root / "adapter"
-    other = apply_lora(load_causal_lm(paths["m1"]), LoraSettings(r=4, alpha=8), seed=0)
+    other = apply_lora(load_causal_lm(paths["m1"]), LoraConfig(r=4, alpha=8), seed=0)
     save_checkpoint(other, load_tokenizer(paths["m1"]), root / "adapter-m1", base_model=paths["m1"])
     paths["adapter-m1"] = root / "adapter-m1"
     return paths

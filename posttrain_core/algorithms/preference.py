@@ -11,8 +11,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-
 
 def bradley_terry_loss(
     r_chosen_B: torch.Tensor, r_rejected_B: torch.Tensor, margin: float = 0.0
@@ -113,31 +111,6 @@ def dpo_loss(
         "margin": (chosen_reward_B - rejected_reward_B).mean(),
         "accuracy": (chosen_reward_B > rejected_reward_B).float().mean(),
     }
-
-
-def sequence_logprobs(logits_B_T_V: torch.Tensor, labels_B_T: torch.Tensor) -> torch.Tensor:
-    """Sum of the log-probs of the label tokens of each sequence (next-token shifted; IGNORE_INDEX skipped).
-
-    logp_b = sum_{t >= 1, labels[b, t] != -100} log softmax(logits[b, t - 1])[labels[b, t]], computed in fp32.
-
-    Args:
-        logits_B_T_V: model outputs at every position.
-        labels_B_T: target ids aligned with the inputs (labels[b, t] is input t), -100 where not scored.
-
-    Returns:
-        logp_B (fp32); 0 for a row with no scored token.
-    """
-    if logits_B_T_V.shape[:2] != labels_B_T.shape:
-        raise ValueError(
-            f"sequence_logprobs: logits {tuple(logits_B_T_V.shape)} do not match labels {tuple(labels_B_T.shape)}"
-        )
-    logits_B_S_V = logits_B_T_V[:, :-1].float()
-    targets_B_S = labels_B_T[:, 1:]
-    mask_B_S = targets_B_S != IGNORE_INDEX
-    # log_softmax(x)[y] = x[y] - logsumexp(x): avoids materialising a second B x T x V tensor.
-    picked_B_S = torch.gather(logits_B_S_V, -1, targets_B_S.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    token_logp_B_S = picked_B_S - torch.logsumexp(logits_B_S_V, dim=-1)
-    return (token_logp_B_S * mask_B_S).sum(-1)
 
 
 LOSSES: dict[str, Callable[..., object]] = {

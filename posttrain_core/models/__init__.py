@@ -21,7 +21,6 @@ _EXPORTS = {
     "load_causal_lm": "loading",
     "save_checkpoint": "loading",
     "num_parameters": "loading",
-    "LoraSettings": "lora",
     "apply_lora": "lora",
     "merge_lora": "lora",
 }
@@ -30,7 +29,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from .loading import check_model_path, load_causal_lm, load_tokenizer, num_parameters, save_checkpoint  # noqa: F401
-    from .lora import LoraSettings, apply_lora, merge_lora  # noqa: F401
+    from .lora import apply_lora, merge_lora  # noqa: F401
     from .tiny import TINY_PRESETS, VLLM_CPU_HEAD_SIZES, build_tiny_checkpoint, build_tiny_model  # noqa: F401
     from .tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer  # noqa: F401
 

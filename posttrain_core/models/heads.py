@@ -1,21 +1,30 @@
-"""Logits at chosen positions only: the LM head runs on the tokens a loss reads, not on every position.
+"""Log-probs of chosen tokens: the LM head runs on the positions a loss reads, a bounded chunk of them at a time.
 
 SFT trains on the assistant tokens (about half of a chat) and RL reads the response tokens only, yet a causal LM's
 forward projects every position onto the vocabulary: a B x L x V logits tensor, its log-softmax and their gradients
-are the largest activations of a training step.
+are the largest activations of a training step (for a 49k vocabulary, 0.6 MB per token in fp32, each). Here the head
+runs on the selected positions only, `LOGIT_CHUNK_BYTES` of logits at a time, and with gradients each chunk's logits
+are recomputed in the backward pass instead of kept: the pass holds one chunk's logits, whatever its size. The
+trainers (SFT, DPO, RL) and `posttrain serve` compute every log-prob they train on here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from posttrain_core.algorithms.losses import entropy_from_logits, token_logprobs
 
 # Architectures whose logits are exactly lm_head(final hidden state). Others (logit soft-capping, logit scaling, ...)
 # keep the model's own forward and select from its logits: the same numbers, without the saving.
 PLAIN_HEAD_TYPES = frozenset(
     {"llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mistral", "mixtral", "phi3", "olmo", "olmo2"}
 )
+# fp32 logits of one head chunk: with a 49k vocabulary, 170 positions (the backward adds their softmax and gradient).
+LOGIT_CHUNK_BYTES = 32 * 2**20
 
 
 def plain_head(lm: torch.nn.Module) -> bool:
@@ -27,8 +36,49 @@ def plain_head(lm: torch.nn.Module) -> bool:
     return getattr(config, "model_type", None) in PLAIN_HEAD_TYPES and hasattr(lm, "get_decoder")
 
 
-class SelectedLogits(torch.nn.Module):
-    """A causal LM whose forward returns the logits at selected positions only.
+def chunk_rows(vocab_size: int) -> int:
+    """Positions per head chunk: `LOGIT_CHUNK_BYTES` of fp32 logits."""
+    return max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
+
+
+def chunked_logprobs(
+    head: Callable[[torch.Tensor, slice], torch.Tensor],
+    hidden_N_H: torch.Tensor,
+    labels_N: torch.Tensor,
+    rows: int,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp_N, entropy_N or None) of `labels_N` under logits = head(hidden), `rows` positions at a time, in fp32.
+
+    logp_N[n] = log softmax(head(hidden_N_H[n]))[labels_N[n]], 0 where labels_N < 0; entropy_N[n] is the entropy of
+    that distribution. With gradients, each chunk runs under activation checkpointing: its logits are freed after
+    the forward and recomputed in the backward, so neither pass holds more than one chunk's [rows x V] logits.
+
+    Args:
+        head: (hidden chunk, its slice of the N positions) -> logits chunk; the slice lets a caller pass per-position
+            arguments (the service's adapter of each position).
+    """
+
+    def piece(h: torch.Tensor, y: torch.Tensor, where: slice) -> torch.Tensor:
+        logits = head(h, where).float()
+        logp = token_logprobs(logits[None], y[None])[0]
+        return torch.stack([logp, entropy_from_logits(logits)]) if entropy else logp
+
+    grad = torch.is_grad_enabled() and hidden_N_H.requires_grad
+    outs = []
+    for start in range(0, hidden_N_H.shape[0], rows):
+        where = slice(start, start + rows)
+        h, y = hidden_N_H[where], labels_N[where]
+        outs.append(checkpoint(piece, h, y, where, use_reentrant=False) if grad else piece(h, y, where))
+    if not outs:
+        empty = hidden_N_H.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if entropy else None)
+    out = torch.cat(outs, dim=-1)
+    return (out[0], out[1]) if entropy else (out, None)
+
+
+class TokenLogprobs(torch.nn.Module):
+    """A causal LM whose forward returns the log-probs (and optionally the entropies) of labels at selected positions.
 
     It is a module (not a function) so that DistributedDataParallel can wrap it: DDP's forward must run for its
     gradient hooks to fire. The wrapped model is `.lm`; its parameters are this module's.
@@ -38,32 +88,54 @@ class SelectedLogits(torch.nn.Module):
         super().__init__()
         self.lm = lm
         self.plain = plain_head(lm)
+        self.rows = chunk_rows(int(lm.get_output_embeddings().weight.shape[0]))
 
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         select: torch.Tensor,
+        labels: torch.Tensor,
         prefix: SharedPrefix | None = None,
-    ) -> torch.Tensor:
-        """Logits at `select`.
+        entropy: bool = False,
+        adapters: list[str] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logp, entropy or None) at `select`, fp32.
 
         Args:
             input_ids, attention_mask: B x L.
-            select: a bool B x L mask (returns N x V, the selected positions in row-major order), or long B x R
-                positions (returns B x R x V, position select[b, r] of row b).
+            select: a bool B x L mask (labels and outputs N: the selected positions in row-major order), or long B x R
+                positions (labels and outputs B x R: position select[b, r] of row b).
+            labels: the token each selected position predicts (< 0: none, log-prob 0).
             prefix: the rows' shared prompts (`SharedPrefix`): each runs once, and input_ids / attention_mask /
                 select are the rows' tokens after it. Plain-head models only.
+            entropy: also return each selected position's entropy (with its graph).
+            adapters: a multi-adapter peft model's adapter of each row ("__base__": none), for a pass that mixes
+                several adapters' rows (`posttrain serve`).
         """
-        if prefix is not None:
-            if not self.plain:
-                raise ValueError(f"SelectedLogits: a shared prefix needs a plain-head model, not {type(self.lm)}")
-            return self.lm.get_output_embeddings()(_pick(self._after_prefix(input_ids, attention_mask, prefix), select))
+        if prefix is not None and not self.plain:
+            raise ValueError(f"TokenLogprobs: a shared prefix needs a plain-head model, not {type(self.lm)}")
         if self.plain:
-            hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            return self.lm.get_output_embeddings()(_pick(hidden.last_hidden_state, select))
-        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return _pick(logits, select)
+            with _adapter_rows(self.lm, adapters):
+                if prefix is not None:
+                    hidden = self._after_prefix(input_ids, attention_mask, prefix)
+                else:
+                    out = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                    hidden = out.last_hidden_state
+            picked = _pick(hidden, select)
+            head = _head(self.lm.get_output_embeddings(), adapters, select)
+        else:
+            kw = {"adapter_names": adapters} if adapters else {}
+            logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).logits
+            picked = _pick(logits, select)
+
+            def head(h: torch.Tensor, where: slice) -> torch.Tensor:
+                return h  # the model's own logits
+
+        flat = picked.reshape(-1, picked.shape[-1])
+        logp, ent = chunked_logprobs(head, flat, labels.reshape(-1), self.rows, entropy)
+        shape = labels.shape
+        return logp.reshape(shape), (ent.reshape(shape) if ent is not None else None)
 
     def _after_prefix(self, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor, prefix: SharedPrefix) -> torch.Tensor:
         """Final hidden states of the rows' own tokens, attending to their prompt's cached keys and values."""
@@ -84,6 +156,43 @@ class SelectedLogits(torch.nn.Module):
         return out.last_hidden_state
 
 
+def _adapter_rows(lm: torch.nn.Module, adapters: list[str] | None):
+    """peft's mixed-adapter batch for the decoder call inside the block (each row through its own adapter); the
+    block covers the forward only, so nothing in the decoder may be recomputed in the backward pass."""
+    import contextlib
+
+    if not adapters:
+        return contextlib.nullcontext()
+    return lm._enable_peft_forward_hooks(adapter_names=adapters)
+
+
+def sequence_logprobs(net: torch.nn.Module, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor, labels_B_T: torch.Tensor):
+    """logp_B = sum over t >= 1 with labels[b, t] != -100 of log p(labels[b, t] | tokens < t), fp32: each row's
+    scored tokens (DPO's chosen and rejected responses). `net` is a `TokenLogprobs`, possibly inside DDP."""
+    keep_B_T = torch.zeros_like(labels_B_T, dtype=torch.bool)  # position t predicts token t + 1
+    keep_B_T[:, :-1] = labels_B_T[:, 1:] >= 0
+    logp_N, _ = net(ids_B_T, mask_B_T, keep_B_T, labels_B_T[:, 1:][keep_B_T[:, :-1]])
+    return logp_N.new_zeros(ids_B_T.shape[0]).index_add(0, keep_B_T.nonzero()[:, 0], logp_N)
+
+
+def _head(lm_head: torch.nn.Module, adapters: list[str] | None, select: torch.Tensor):
+    """The head as `chunked_logprobs` calls it. Its input is positions, not rows: a LoRA head of a mixed-adapter
+    pass gets each position's adapter (its row's)."""
+    if not adapters or not hasattr(lm_head, "lora_A"):  # no adapter on the head itself
+
+        def head(h: torch.Tensor, where: slice) -> torch.Tensor:
+            return lm_head(h)
+
+        return head
+    counts = select.sum(-1).tolist() if select.dtype == torch.bool else [select.shape[1]] * select.shape[0]
+    per_position = [name for name, n in zip(adapters, counts, strict=True) for _ in range(n)]
+
+    def mixed(h: torch.Tensor, where: slice) -> torch.Tensor:
+        return lm_head(h, adapter_names=per_position[where])
+
+    return mixed
+
+
 @dataclass(frozen=True)
 class SharedPrefix:
     """Rows whose sequences start with the same prompts, encoded so that each distinct prompt runs once.
@@ -94,7 +203,7 @@ class SharedPrefix:
 
     ids_U_P / mask_U_P: each distinct prompt but its last token, left-padded (P may be 0); rows_B: each row's prompt
     in them; positions_B_T: the sequence positions of the rows' own tokens (the prompt's last token, then the
-    response), which are `SelectedLogits.forward`'s input_ids.
+    response), which are `TokenLogprobs.forward`'s input_ids.
     """
 
     ids_U_P: torch.Tensor

@@ -1,4 +1,9 @@
-"""LoRA adapters with peft: wrap a causal LM, merge it back.
+"""LoRA adapters with peft: the one place a `LoraConfig` becomes peft's adapter, seeded; wrap a model, merge it back.
+
+`config.LoraConfig` (rank, alpha, dropout, target modules) is the one description of an adapter: the pipeline's
+trainers wrap their model with `apply_lora`, and `posttrain serve` adds many adapters to one base with
+`add_adapter`. Both draw the A matrices from a seed through `seeded`, so the same config and seed give the same
+adapter in either.
 
 For LoRA RL the reference policy needs no second copy: `with model.disable_adapter(): ref_logits = model(...)`
 runs the frozen base model, outside the block the adapter is active again.
@@ -6,39 +11,73 @@ runs the frozen base model, outside the block the adapter is active again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel, get_peft_model
 from transformers import PreTrainedModel
+
+from posttrain_core.config import LoraConfig
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA hyper-parameters (plain values, picklable: they cross Ray/Prefect boundaries).
-
-    Attributes:
-        r: rank of the update `B @ A` (A: r x in, B: out x r).
-        alpha: scale numerator; the update is multiplied by alpha / r.
-        dropout: dropout on the LoRA branch input.
-        target_modules: leaf module names to adapt, e.g. ("q_proj", "v_proj"); add "gate_proj", "up_proj",
-            "down_proj" for the MLP.
-    """
-
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def _leaf_linear_names(model: torch.nn.Module) -> set[str]:
+def linear_names(model: torch.nn.Module) -> set[str]:
+    """The leaf names of the model's Linear layers ("q_proj", "lm_head", ...): what `target_modules` can name."""
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def apply_lora(model: PreTrainedModel, settings: LoraSettings, seed: int | None = None) -> PeftModel:
+def peft_config(lora: LoraConfig, task_type: str = "CAUSAL_LM", **extra):
+    """peft's `LoraConfig` of ours (no bias terms); `extra`: more peft fields (base_model_name_or_path, ...)."""
+    import peft
+
+    return peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type=task_type,
+        **extra,
+    )
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None) -> Iterator[None]:
+    """Adapters created in the block draw their A matrices from `seed` (None: the global RNG as it is); the global
+    RNG state is restored afterwards, so creating an adapter changes no other random draw."""
+    if seed is None:
+        yield
+        return
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def check_targets(model: torch.nn.Module, lora: LoraConfig, who: str = "apply_lora") -> LoraConfig:
+    """`lora` with only the target modules the model has (a warning names the others).
+
+    Raises:
+        ValueError: none of `lora.target_modules` names a Linear layer of the model.
+    """
+    available = linear_names(model)
+    missing = [t for t in lora.target_modules if t not in available]
+    if len(missing) == len(lora.target_modules):
+        raise ValueError(
+            f"{who}: target_modules {list(lora.target_modules)} match no Linear layer of "
+            f"{type(model).__name__}; its Linear layers are {sorted(available)}"
+        )
+    if missing:
+        logger.warning("%s: target_modules %s not found in %s; adapting the others", who, missing, type(model).__name__)
+    return lora.model_copy(update={"target_modules": [t for t in lora.target_modules if t in available]})
+
+
+def apply_lora(model: PreTrainedModel, lora: LoraConfig, seed: int | None = None) -> PeftModel:
     """Wrap `model` with a trainable LoRA adapter named "default"; all base weights are frozen.
 
     peft injects the LoRA layers into `model` in place. B starts at zero, so the wrapped model initially computes
@@ -46,42 +85,24 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings, seed: int | None 
 
     Args:
         model: a causal LM (e.g. from `load_causal_lm` or `build_tiny_model`).
-        settings: rank, alpha, dropout and target modules.
+        lora: rank, alpha, dropout and target modules.
         seed: if given, the A matrices are initialised from this seed (global RNG state restored afterwards).
 
     Returns:
         The `PeftModel`; only `lora_A`/`lora_B` parameters have requires_grad.
 
     Raises:
-        ValueError: none of `settings.target_modules` names a Linear layer of the model.
+        ValueError: none of `lora.target_modules` names a Linear layer of the model.
     """
-    available = _leaf_linear_names(model)
-    missing = [t for t in settings.target_modules if t not in available]
-    if len(missing) == len(settings.target_modules):
-        raise ValueError(
-            f"apply_lora: target_modules {list(settings.target_modules)} match no Linear layer of "
-            f"{type(model).__name__}; its Linear layers are {sorted(available)}"
-        )
-    if missing:
-        logger.warning(
-            "apply_lora: target_modules %s not found in %s; adapting the others", missing, type(model).__name__
-        )
-    config = LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=[t for t in settings.target_modules if t in available],
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    if seed is None:
+    config = peft_config(check_targets(model, lora))
+    with seeded(seed):
         return get_peft_model(model, config)
-    rng_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        return get_peft_model(model, config)
-    finally:
-        torch.random.set_rng_state(rng_state)
+
+
+def add_adapter(model: PeftModel, name: str, lora: LoraConfig, seed: int | None) -> None:
+    """Add a LoRA adapter `name` beside the model's others (the service's many adapters on one base), seeded."""
+    with seeded(seed):
+        model.add_adapter(name, peft_config(lora))
 
 
 def merge_lora(model: PeftModel) -> PreTrainedModel:

@@ -183,9 +183,8 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     """Run the loop on this rank; rank 0 saves the final checkpoint into job.outdir and returns the metrics."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from posttrain_core.models.heads import SelectedLogits
+    from posttrain_core.models.heads import TokenLogprobs
     from posttrain_core.models.loading import (
         check_model_path,
         enable_gradient_checkpointing,
@@ -193,7 +192,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
         load_tokenizer,
         save_checkpoint,
     )
-    from posttrain_core.models.lora import LoraSettings, apply_lora
+    from posttrain_core.models.lora import apply_lora
 
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
@@ -201,15 +200,14 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     is_adapter = check_model_path(job.base_path)["is_adapter"]
     model = load_causal_lm(job.base_path, dtype="float32", trainable_adapter=is_adapter)
     if cfg.lora is not None and not is_adapter:
-        lora = cfg.lora
-        model = apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)))
+        model = apply_lora(model, cfg.lora)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.train()
     examples, dropped = build_examples(job, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    net = SelectedLogits(model)  # the LM head runs on the trained positions only
+    net = TokenLogprobs(model)  # the LM head runs on the trained positions only, a chunk at a time
     ddp = data_parallel(net, world)
     params, opt, sched = build_optimizer(model, cfg)
     start_step = resume_from_checkpoint(job, model, opt, sched, rank)
@@ -235,8 +233,8 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
             keep = torch.zeros_like(labels, dtype=torch.bool)  # position t predicts token t + 1
             keep[:, :-1] = labels[:, 1:] != IGNORE
             with contextlib.nullcontext() if sync else ddp.no_sync(), autocast:
-                logits = ddp(ids, mask, keep)
-                ce = F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum")
+                logp, _ = ddp(ids, mask, keep, labels[:, 1:][keep[:, :-1]])
+                ce = -logp.sum()
                 # DDP averages gradients over ranks, so scale by world to get sum / global token count.
                 (ce * world / n_tok.item()).backward()
             stats += torch.tensor([ce.item(), float(mask.sum())], dtype=torch.float64)

@@ -93,19 +93,18 @@ def _per_row_module(objective: str, model: Any) -> Any:
     """An nn.Module mapping (input_ids, attention_mask, labels) to one number per row (what DDP wraps)."""
     import torch
 
-    from posttrain_core.algorithms.preference import sequence_logprobs
+    from posttrain_core.models.heads import TokenLogprobs, sequence_logprobs
     from posttrain_core.models.reward import last_token_scores
 
     class PerRow(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.model = model
+            self.model = model if objective == "rm" else TokenLogprobs(model)
 
         def forward(self, input_ids, attention_mask, labels):
             if objective == "rm":
                 return last_token_scores(self.model, input_ids, attention_mask)
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-            return sequence_logprobs(logits, labels)
+            return sequence_logprobs(self.model, input_ids, attention_mask, labels)
 
     return PerRow()
 
@@ -160,7 +159,7 @@ def _evaluate(job: PreferenceJob, net: Any, pairs: list[Pair], pad_id: int, rank
 
 def _load(job: PreferenceJob) -> tuple[Any, Any]:
     from posttrain_core.models.loading import check_model_path, load_causal_lm, load_tokenizer
-    from posttrain_core.models.lora import LoraSettings, apply_lora
+    from posttrain_core.models.lora import apply_lora
     from posttrain_core.models.reward import build_reward_model
 
     cfg = job.cfg
@@ -171,29 +170,21 @@ def _load(job: PreferenceJob) -> tuple[Any, Any]:
     else:
         model = load_causal_lm(job.model_path, dtype="float32", trainable_adapter=is_adapter)
     if cfg.lora is not None and not is_adapter:
-        settings = LoraSettings(cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, tuple(cfg.lora.target_modules))
-        model = _lora_reward_model(model, settings) if job.objective == "rm" else apply_lora(model, settings)
+        model = _lora_reward_model(model, cfg.lora) if job.objective == "rm" else apply_lora(model, cfg.lora)
     return model, tokenizer
 
 
-def _lora_reward_model(model: Any, settings: Any) -> Any:
+def _lora_reward_model(model: Any, lora: Any) -> Any:
     """LoRA on a reward model's backbone with its fresh `score` head fully trained.
 
     `models.lora.apply_lora` builds a CAUSAL_LM peft model, which needs generation methods a ForSequenceClassification
     lacks; SEQ_CLS makes peft keep a trainable copy of the `score` head (merged back by `merge_and_unload`).
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
-        bias="none",
-        task_type="SEQ_CLS",
-        modules_to_save=["score"],
-    )
-    return get_peft_model(model, config)
+    from posttrain_core.models.lora import peft_config
+
+    return get_peft_model(model, peft_config(lora, task_type="SEQ_CLS", modules_to_save=["score"]))
 
 
 def preference_loop(job: PreferenceJob, rank: int, world: int) -> dict:
@@ -331,13 +322,13 @@ def reference_shard(
     """Ray task: reference (chosen, rejected) summed response log-probs of `rows`; NaN where a response is cut off."""
     import torch
 
-    from posttrain_core.algorithms.preference import sequence_logprobs
     from posttrain_core.data.io import read_dataset
+    from posttrain_core.models.heads import TokenLogprobs, sequence_logprobs
     from posttrain_core.models.loading import load_causal_lm, load_tokenizer
 
     torch.set_num_threads(threads)
     tokenizer = load_tokenizer(model_path, require_chat_template=True)
-    model = load_causal_lm(model_path, dtype="float32").eval()
+    model = TokenLogprobs(load_causal_lm(model_path, dtype="float32").eval())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     table = read_dataset(data_path, "preferences").select(["prompt", "chosen", "rejected"]).take(rows).to_pylist()
     seqs = []
@@ -348,7 +339,7 @@ def reference_shard(
     with torch.no_grad():
         for i in range(0, len(seqs), batch_size):
             ids, labels, mask = collate(seqs[i : i + batch_size], pad_id)
-            logp = sequence_logprobs(model(input_ids=ids, attention_mask=mask, use_cache=False).logits, labels)
+            logp = sequence_logprobs(model, ids, mask, labels)
             out.extend(
                 v if _scored(y) else math.nan for v, (_, y) in zip(logp.tolist(), seqs[i : i + batch_size], strict=True)
             )

@@ -343,19 +343,23 @@ def encode_shared(batch: RLBatch, rows: list[int], pad_id: int):
     return ids_B_T, attn_B_T, select_B_R, SharedPrefix(ids_U_P, mask_U_P, torch.tensor(rows_B), positions_B_T)
 
 
-def response_logits(model: Any, ids, attn, pos, shared=None):
-    """logits_B_R_V (fp32) of the response tokens: the LM head runs on those positions only (`SelectedLogits`).
+def response_logprobs(model: Any, ids, attn, pos, labels, shared=None, entropy: bool = False):
+    """(logp_B_R, entropy_B_R or None), fp32, of the response tokens `labels`: the LM head runs on those positions
+    only, a chunk at a time (`TokenLogprobs`).
 
-    `model` is a causal LM, or a `SelectedLogits` (possibly inside DDP) around one. `shared` (from `encode_shared`):
-    the same logits with each distinct prompt run once; ids / attn / pos are then unused.
+    `model` is a causal LM, or a `TokenLogprobs` (possibly inside DDP) around one. `shared` (from `encode_shared`):
+    the same log-probs with each distinct prompt run once; ids / attn / pos are then unused.
     """
     import torch
 
-    from posttrain_core.models.heads import SelectedLogits
+    from posttrain_core.models.heads import TokenLogprobs
 
-    wrapped = isinstance(model, SelectedLogits | torch.nn.parallel.DistributedDataParallel)
-    net = model if wrapped else SelectedLogits(model)
-    return (net(*shared) if shared is not None else net(ids, attn, pos)).float()
+    wrapped = isinstance(model, TokenLogprobs | torch.nn.parallel.DistributedDataParallel)
+    net = model if wrapped else TokenLogprobs(model)
+    if shared is not None:
+        ids_B_T, attn_B_T, select_B_R, prefix = shared
+        return net(ids_B_T, attn_B_T, select_B_R, labels, prefix, entropy=entropy)
+    return net(ids, attn, pos, labels, entropy=entropy)
 
 
 def chunks(rows: list[int], size: int) -> list[list[int]]:

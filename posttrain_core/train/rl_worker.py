@@ -34,7 +34,7 @@ from posttrain_core.train.rl_batch import (
     encode,
     encode_shared,
     pad,
-    response_logits,
+    response_logprobs,
 )
 from posttrain_core.train.rl_state import load_trainer_state, optimizer_settings, save_update
 
@@ -63,7 +63,7 @@ class RLWorker:
         self.release()
 
         from posttrain_core.models.critic import build_critic
-        from posttrain_core.models.heads import SelectedLogits, plain_head
+        from posttrain_core.models.heads import TokenLogprobs, plain_head
         from posttrain_core.models.loading import (
             _is_peft,
             check_model_path,
@@ -71,7 +71,7 @@ class RLWorker:
             load_causal_lm,
             load_tokenizer,
         )
-        from posttrain_core.models.lora import LoraSettings, apply_lora
+        from posttrain_core.models.lora import apply_lora
         from posttrain_core.train.loop import build_optimizer
 
         cfg = self.cfg = job.cfg
@@ -83,9 +83,7 @@ class RLWorker:
         is_adapter = check_model_path(job.policy_path)["is_adapter"]
         self.policy = load_causal_lm(job.policy_path, trainable_adapter=is_adapter and job.train_policy)
         if cfg.lora is not None and not is_adapter:
-            lora = cfg.lora
-            settings = LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
-            self.policy = apply_lora(self.policy, settings, seed=cfg.seed)
+            self.policy = apply_lora(self.policy, cfg.lora, seed=cfg.seed)
         self.lora = _is_peft(self.policy)
         # Each distinct prompt of a micro-batch runs once (`encode_shared`): plain-head models, and not with gradient
         # checkpointing (its training forward keeps no KV cache).
@@ -111,7 +109,7 @@ class RLWorker:
             if "policy_optimizer" in state:
                 self.opt.load_state_dict(state["policy_optimizer"])
                 self.sched.load_state_dict(state["policy_scheduler"])
-            self.ddp_policy = wrap(SelectedLogits(self.policy.train()))
+            self.ddp_policy = wrap(TokenLogprobs(self.policy.train()))
         if self.critic is not None:
             self.critic_params, self.critic_opt, self.critic_sched = build_optimizer(
                 self.critic, optimizer_settings(cfg, cfg.critic_lr)
@@ -186,26 +184,22 @@ class RLWorker:
         left in eval mode; the caller puts it back in train mode."""
         import torch
 
-        from posttrain_core.algorithms.losses import token_logprobs
-
         with torch.no_grad():
-            return token_logprobs(response_logits(self.policy.eval(), ids, attn, pos, shared), labels)
+            return response_logprobs(self.policy.eval(), ids, attn, pos, labels, shared)[0]
 
     def _reference_logp(self, ids, attn, pos, labels, shared=None):
         """Reference log-probs of one encoded chunk, without gradients: the frozen reference model, or for LoRA the
         policy with its adapter disabled; None when the job has no reference."""
         import torch
 
-        from posttrain_core.algorithms.losses import token_logprobs
-
         if self.job.reference_path is None:
             return None
         with torch.no_grad():
             if self.lora:
                 with self.policy.disable_adapter():
-                    return token_logprobs(response_logits(self.policy, ids, attn, pos, shared), labels)
+                    return response_logprobs(self.policy, ids, attn, pos, labels, shared)[0]
             if self.reference is not None:
-                return token_logprobs(response_logits(self.reference, ids, attn, pos, shared), labels)
+                return response_logprobs(self.reference, ids, attn, pos, labels, shared)[0]
         return None
 
     def update(self, batch: RLBatch, targets: Targets, save: bool = True) -> dict[str, Any]:
@@ -306,13 +300,7 @@ class RLWorker:
         """Forward + backward of one micro-batch; returns its share of the stats."""
         import torch
 
-        from posttrain_core.algorithms.losses import (
-            entropy_from_logits,
-            kl_estimate,
-            policy_loss,
-            token_logprobs,
-            value_loss,
-        )
+        from posttrain_core.algorithms.losses import kl_estimate, policy_loss, value_loss
         from posttrain_core.models.critic import token_values
 
         cfg, out = self.cfg, UpdateStats()
@@ -332,8 +320,7 @@ class RLWorker:
         if self.job.train_policy:
             no_sync = contextlib.nullcontext() if sync else self.ddp_policy.no_sync()
             with no_sync, self._autocast():
-                logits = response_logits(self.ddp_policy, ids, attn, pos, shared)
-                logp = token_logprobs(logits, labels)
+                logp, entropy = response_logprobs(self.ddp_policy, ids, attn, pos, labels, shared, entropy=True)
                 if old is None:  # the only optimizer step on this batch: these weights sampled it
                     old = logp.detach()
                     self._checks.add(full.logprobs[rows, :R], old, ref, m)
@@ -343,7 +330,6 @@ class RLWorker:
                 if cfg.kl_placement == "loss" and targets.kl_coef > 0 and ref is not None:
                     kl_term = targets.kl_coef * settings.aggregate(kl_estimate(logp, ref, cfg.kl_estimator), m)
                     loss = loss + kl_term
-                entropy = entropy_from_logits(logits.detach() if cfg.entropy_coef == 0 else logits)
                 if cfg.entropy_coef > 0:
                     loss = loss - cfg.entropy_coef * settings.aggregate(entropy, m)
                 nll = torch.zeros(())
