@@ -13,7 +13,8 @@ import urllib.request
 
 from prefect import flow, get_run_logger
 
-from posttrain_core.serve.app import ServeConfig, start
+from posttrain_core.serve.app import start
+from posttrain_core.serve.config import ServeConfig
 
 
 @flow(name="serve", log_prints=True)

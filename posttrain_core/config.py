@@ -333,7 +333,7 @@ class ScoreConfig(_Config):
 Algorithm = Literal[
     "ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo", "gspo", "cispo"
 ]  # fmt: skip
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AggMode = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 # What each algorithm means when a field is left empty (None). Definitions: docs/algorithms.md.
 _CLIP = dict(policy_loss="clip", clip_low=0.2, clip_high=0.2)
@@ -394,7 +394,7 @@ class RLConfig(_Config):
     policy_loss: str | None = Field(
         None, json_schema_extra=USER_CODE,
         description="policy loss: clip (PPO token ratio), gspo (sequence ratio), cispo (clipped ratio as a weight), "
-        "or your own function as 'package.module:function' / 'path/to/file.py:function' (empty: preset)",
+        "importance_sampling (unclipped ratio), or your own function as 'package.module:function' / 'path/to/file.py:function' (empty: preset)",
     )  # fmt: skip
     clip_low: float | None = Field(None, gt=0, lt=1, description="ratio clip below 1 - clip_low (empty: preset)")
     clip_high: float | None = Field(None, gt=0, description="ratio clip above 1 + clip_high (empty: preset)")

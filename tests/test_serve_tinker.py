@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_helpers import BASE, DOCUMENTED, Server, datum, logprobs, mean_nll
+from serve_helpers import BASE, BASE_B, DOCUMENTED, datum, logprobs, mean_nll, start_service
 
 pytestmark = pytest.mark.slow
 tinker = pytest.importorskip("tinker")
@@ -28,7 +28,7 @@ TEXTS_B = ["Subtract 9 from 20: 11.", "What is 8 - 3? The answer is 5.", "Take 6
            "What is 70 - 1? The answer is 69."] * 2  # fmt: skip
 
 
-def post(server: Server, path: str, body: dict, key: str) -> tuple[int, dict]:
+def post(server, path: str, body: dict, key: str) -> tuple[int, dict]:
     request = urllib.request.Request(
         server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json", "X-API-Key": key}
     )
@@ -39,7 +39,7 @@ def post(server: Server, path: str, body: dict, key: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def status(server: Server) -> dict:
+def status(server) -> dict:
     request = urllib.request.Request(server.url + "/api/v1/posttrain/status", headers={"X-API-Key": "tml-test-a"})
     with urllib.request.urlopen(request, timeout=60) as r:
         return json.loads(r.read())
@@ -48,7 +48,7 @@ def status(server: Server) -> dict:
 CLIENTS: list = []  # closed before the service stops: a closed session's heartbeat gets 410 and the SDK stops it
 
 
-def service_client(server: Server, key: str):
+def service_client(server, key: str):
     sc = tinker.ServiceClient(base_url=server.url, api_key=key)
     CLIENTS.append(sc)
     return sc
@@ -58,7 +58,7 @@ def service_client(server: Server, key: str):
 def server(tiny_inputs, tmp_path_factory):
     store, _, base = tiny_inputs
     root = tmp_path_factory.mktemp("serve")
-    srv = Server(base.path, Path(store.root), root / "state", root / "serve.log").start()
+    srv = start_service(base.path, Path(store.root), root / "state", root / "serve.log").start()
     yield srv
     for sc in CLIENTS:
         try:
@@ -94,7 +94,7 @@ def alice(server):
 
 def test_capabilities_and_supervised_loop(server, alice):
     capabilities = tinker.RestClient(base_url=server.url, api_key="tml-test-a").get_server_capabilities().result()
-    assert [m.model_name for m in capabilities.supported_models] == [BASE]
+    assert [m.model_name for m in capabilities.supported_models] == [BASE, BASE_B]
     losses = alice["losses"]
     assert losses[-1] < 0.7 * losses[0], losses
     fwd_metrics, opt_metrics = alice["metrics"][-1]
@@ -321,17 +321,92 @@ def test_the_eval_flow_evaluates_a_tenant_adapter(prefect_api, ray_session, save
     assert row["model"] == saved and row["stage"] == "serve" and 0.0 <= row["accuracy"] <= 1.0
 
 
+def worker(server, base: str) -> dict:
+    return status(server)["workers"][base]
+
+
+def test_a_killed_model_worker_costs_its_tenants_only_their_unsaved_steps(server, alice):
+    """SIGKILL the model worker of one base while two tenants train on it and a third on the other base. The gateway
+    answers throughout; the requests in flight fail with category server; Serve starts a new worker; a request on a
+    model that lived on the old one fails naming its last saved state; both tenants reload it and train on; the other
+    base's tenant never notices."""
+    import os
+    import signal
+
+    tokenizer = alice["tokenizer"]
+    bob_sc, carol_sc = service_client(server, "tml-test-b"), service_client(server, "tml-test-c")
+    bob = bob_sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    carol = carol_sc.create_lora_training_client(base_model=BASE_B, rank=4).result()
+    batches = {"alice": alice["batch"], "bob": [datum(tokenizer, t) for t in TEXTS_B], "carol": alice["batch"]}
+    clients = {"alice": alice["tc"], "bob": bob, "carol": carol}
+    saved = {name: clients[name].save_state(f"before-kill-{name}").result().path for name in ("alice", "bob")}
+    carol_losses: list[float] = []
+    stop, errors = threading.Event(), {}
+
+    def train(name):
+        client, batch = clients[name], batches[name]
+        try:
+            while not stop.is_set():
+                fwd = client.forward_backward(batch, "cross_entropy")
+                client.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+                if name == "carol":
+                    carol_losses.append(mean_nll(fwd.result(), batch))
+        except tinker.RequestFailedError as e:
+            errors[name] = e
+
+    threads = {name: threading.Thread(target=train, args=(name,)) for name in clients}
+    for t in threads.values():
+        t.start()
+    old, other = worker(server, BASE), worker(server, BASE_B)["incarnation"]
+    # A long sample, in flight on the worker when it dies (64 x 400 tokens, no end-of-sequence stop).
+    sampler = bob.save_weights_and_get_sampling_client().result()
+    slow = sampler.sample(types.ModelInput.from_ints(batches["bob"][0].model_input.to_ints()[:4]), 64,
+                          types.SamplingParams(max_tokens=400, stop=[]))  # fmt: skip
+    time.sleep(1.0)
+    os.kill(old["pid"], signal.SIGKILL)
+    deadline = time.time() + 120
+    while True:  # the gateway answers while the worker is down and after it is back
+        now = worker(server, BASE)
+        if now.get("incarnation") not in (None, old["incarnation"]):
+            break
+        assert time.time() < deadline, f"no new worker for {BASE} after 120 s: {now}"
+        time.sleep(0.5)
+    for name in ("alice", "bob"):
+        threads[name].join(timeout=60)
+        assert not threads[name].is_alive() and errors[name].category == types.RequestErrorCategory.Server, name
+    with pytest.raises(tinker.RequestFailedError) as err:
+        slow.result()
+    assert err.value.category == types.RequestErrorCategory.Server and "model worker" in str(err.value)
+    for name in ("alice", "bob"):  # the next request names what to load
+        with pytest.raises(tinker.RequestFailedError) as err:
+            clients[name].forward(batches[name], "cross_entropy").result()
+        assert err.value.category == types.RequestErrorCategory.Server
+        assert "worker restarted" in str(err.value) and saved[name] in str(err.value), str(err.value)
+    sc = {"alice": alice["sc"], "bob": bob_sc}
+    for name in ("alice", "bob"):
+        resumed = sc[name].create_training_client_from_state_with_optimizer(saved[name]).result()
+        first = mean_nll(resumed.forward(batches[name], "cross_entropy").result(), batches[name])
+        for _ in range(3):
+            resumed.forward_backward(batches[name], "cross_entropy").result()
+            resumed.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        assert mean_nll(resumed.forward(batches[name], "cross_entropy").result(), batches[name]) < first, name
+    stop.set()
+    threads["carol"].join(timeout=60)
+    assert "carol" not in errors and len(carol_losses) >= 2, (errors, carol_losses)  # the other base carried on
+    assert carol_losses[-1] < carol_losses[0] and worker(server, BASE_B)["incarnation"] == other
+
+
 def test_contract_every_request_the_sdk_sent_is_documented(server):
     seen = {tuple(r) for r in status(server)["routes_seen"]}
     assert {r[1] for r in seen} >= {"/api/v1/forward_backward", "/api/v1/asample", "/api/v1/retrieve_future"}
     assert seen <= DOCUMENTED, sorted(seen - DOCUMENTED)
 
 
-def unfinished(server: Server) -> int:
+def unfinished(server) -> int:
     return status(server)["unfinished"]
 
 
-def wait_for(server: Server, n: int) -> None:
+def wait_for(server, n: int) -> None:
     deadline = time.time() + 30
     while unfinished(server) < n:
         assert time.time() < deadline, f"the service never had {n} unfinished requests"

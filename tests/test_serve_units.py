@@ -66,21 +66,47 @@ def test_a_malformed_body_or_datum_is_a_user_error_naming_it():
             check_datum(loss, datum, 4, vocab_size=10, max_length=8)
 
 
-def test_losses_are_sums_over_tokens():
-    from posttrain_core.serve.losses import token_losses
-    from posttrain_core.serve.wire import Datum
+def test_the_services_losses_are_the_registrys_with_tinkers_definitions():
+    """Each tinker loss, as the service computes it on random tensors, equals tinker's definition written out here
+    and the library's registered policy loss with token-sum aggregation (1e-6), values and gradients: one training
+    half for the pipeline and the service."""
+    from posttrain_core.algorithms.losses import POLICY_LOSSES, LossSettings
+    from posttrain_core.serve.losses import LOSSES, request_loss
 
-    logp = torch.tensor([-1.0, -2.0, -0.5])
-    ce = token_losses("cross_entropy", logp, Datum([0, 0, 0], {"weights": np.array([0.0, 1.0, 1.0])}), {})
-    assert ce.sum().item() == pytest.approx(2.5)
-    inputs = {"logprobs": np.array([-1.0, -1.0, -1.0]), "advantages": np.array([1.0, 1.0, -1.0])}
-    ratio = torch.exp(logp + 1.0)  # e^0, e^-1, e^0.5
-    assert token_losses("importance_sampling", logp, Datum([0] * 3, inputs), {}).tolist() == pytest.approx(
-        (-ratio * torch.tensor([1.0, 1.0, -1.0])).tolist()
-    )
-    ppo = token_losses("ppo", logp, Datum([0] * 3, inputs), {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
-    # r=1 -> -1; r=0.37 with A>0 -> min(0.37, 0.9) -> -0.37; r=1.65 with A<0 -> min(-1.65, -1.1) -> 1.65
-    assert ppo.tolist() == pytest.approx([-1.0, -ratio[1].item(), ratio[2].item()])
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 7
+    mask = torch.ones(B, T)
+    mask[1, 5:] = 0.0  # a shorter datum, right-padded
+    q = -torch.rand(B, T, generator=g) * 2  # the sampler's log-probs
+    A = torch.randn(B, T, generator=g)
+    w = torch.rand(B, T, generator=g)
+    config = {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}
+    lo, hi = 0.7, 1.3
+
+    def tinker(name, logp):  # the losses page's definitions, summed over the datums' tokens
+        r = torch.exp(logp - q)
+        per_token = {
+            "cross_entropy": -w * logp,
+            "importance_sampling": -r * A,
+            "ppo": -torch.minimum(r * A, r.clamp(lo, hi) * A),
+            "cispo": -(r.detach().clamp(lo, hi) * logp * A),
+        }[name]
+        return (per_token * mask).sum()
+
+    library = LossSettings(loss_agg="token-sum", clip_low=1 - lo, clip_high=hi - 1, dual_clip=None)
+    for name, loss in LOSSES.items():
+        logp = (q + 0.4 * torch.randn(B, T, generator=g)).requires_grad_()  # ratios of 0.3-3: some clipped
+        ours = request_loss(name, config, logp, mask, {"weights": w, "logprobs": q, "advantages": A})
+        (grad_ours,) = torch.autograd.grad(ours, logp)
+        want = tinker(name, logp)
+        (grad_want,) = torch.autograd.grad(want, logp)
+        torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(grad_ours, grad_want, atol=1e-6, rtol=1e-6)
+        if loss.registry is not None:  # the very function the pipeline's update runs
+            theirs = POLICY_LOSSES[loss.registry](logp, q, A, mask, library)[0]
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    assert {n: LOSSES[n].registry for n in LOSSES} == {
+        "cross_entropy": None, "importance_sampling": "importance_sampling", "ppo": "clip", "cispo": "cispo"}  # fmt: skip
 
 
 def test_the_journal_tells_the_truth_after_a_restart(tmp_path):
@@ -110,7 +136,7 @@ def test_the_journal_tells_the_truth_after_a_restart(tmp_path):
 
 
 def test_api_keys_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    from posttrain_core.serve.app import KEYS_ENV, ServeConfig, read_keys
+    from posttrain_core.serve.config import KEYS_ENV, ServeConfig, read_keys
 
     monkeypatch.delenv(KEYS_ENV, raising=False)
     config = ServeConfig(base_models={"b": "/x"})
@@ -129,16 +155,15 @@ def test_eviction_keeps_weights_optimizer_and_pending_gradients_bit_exact(tmp_pa
     import copy
 
     from posttrain_core.models.tiny import build_tiny_model
-    from posttrain_core.serve.adapters import LoraPool, spec_from_request
+    from posttrain_core.serve.adapters import LoraPool, lora_from_request
 
     torch.manual_seed(0)
     model = build_tiny_model(vocab_size=64, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1).eval()
     pools = [LoraPool(copy.deepcopy(model), n, tmp_path / f"spill{n}") for n in (1, 2)]
     ids = torch.randint(0, 64, (2, 6))
     for pool in pools:
-        spec = spec_from_request({"rank": 4, "seed": 3}, 8, pool.linear_names)
-        pool.create("ta", spec)
-        pool.create("tb", spec_from_request({"rank": 2}, 8, pool.linear_names))
+        pool.create("ta", *lora_from_request({"rank": 4, "seed": 3}, 8, pool.linear_names))
+        pool.create("tb", *lora_from_request({"rank": 2}, 8, pool.linear_names))
         for name in ("ta", "tb", "ta", "tb", "ta"):  # a forward/backward, then (every other time) the step
             pool.ensure([name])
             logits = pool.model(input_ids=ids, adapter_names=[name, "__base__"]).logits
@@ -154,3 +179,36 @@ def test_eviction_keeps_weights_optimizer_and_pending_gradients_bit_exact(tmp_pa
         assert spilled.keys() == kept.keys()
         for k in kept:
             assert torch.equal(spilled[k], kept[k]), (name, k)
+
+
+def test_every_serve_config_field_is_a_flag_of_posttrain_serve():
+    """The command line is generated from `ServeConfig`: a value for every field (not its default) given as flags,
+    `--store` before or after `serve`, comes back as that config; a bad value is refused naming its flag."""
+    from flows.cli import DESCRIPTION, USAGE, _add_more
+    from posttrain_core import cli as core_cli
+    from posttrain_core.serve.config import ServeConfig, config_from_args, flag
+
+    values = {
+        "base_models": {"a": "/models/a", "b": "latest:sft"}, "host": "0.0.0.0", "port": 8123, "store": "/tmp/s",
+        "state_dir": "/tmp/state", "keys_file": "/tmp/keys.txt", "max_loras": 3, "lora_alpha": 16,
+        "dtype": "bfloat16", "memory_gb": 6.5, "max_queued": 9, "long_poll_s": 5.0, "threads": 2,
+    }  # fmt: skip
+    assert set(values) == set(ServeConfig.model_fields)  # a new field needs a value here
+    for name, value in values.items():
+        assert value != ServeConfig.model_fields[name].default, name
+    argv: list[str] = []
+    for name, value in values.items():
+        if name == "base_models":
+            argv += [x for k, v in value.items() for x in (flag(name), f"{k}={v}")]
+        elif name != "store":
+            argv += [flag(name), str(value)]
+    parser = core_cli.build_parser(DESCRIPTION, core_cli.USAGE + USAGE, _add_more)
+    after = config_from_args(parser.parse_args(["serve", *argv, "--store", "/tmp/s"]))
+    before = config_from_args(parser.parse_args(["--store", "/tmp/s", "serve", *argv]))
+    assert after == before == ServeConfig(**values)
+    defaults = config_from_args(parser.parse_args(["serve", "--base-model", "a=/m"]))
+    assert defaults == ServeConfig(base_models={"a": "/m"})  # the defaults are the config's, stated once
+    with pytest.raises(SystemExit, match="--memory-gb"):
+        config_from_args(parser.parse_args(["serve", "--base-model", "a=/m", "--memory-gb", "-1"]))
+    with pytest.raises(SystemExit, match="expected NAME=PATH"):
+        config_from_args(parser.parse_args(["serve", "--base-model", "nopath"]))

@@ -79,6 +79,13 @@ def token_mean(loss_B_T: Tensor, mask_B_T: Tensor, num_tokens=None, num_seqs=Non
     return tok_sum_B.sum() / _count(num_tokens, n_B.sum())
 
 
+@register_aggregation("token-sum")
+def token_sum(loss_B_T: Tensor, mask_B_T: Tensor, num_tokens=None, num_seqs=None, t_max=None) -> Tensor:
+    """sum m L, never normalised: a batch split into parts sums to the whole batch's loss and gradient whatever the
+    parts (`posttrain serve`: the client chooses its normalisation through its weights or advantages)."""
+    return _row_sums(loss_B_T, mask_B_T)[0].sum()
+
+
 @register_aggregation("seq-mean-token-mean")
 def seq_mean_token_mean(loss_B_T: Tensor, mask_B_T: Tensor, num_tokens=None, num_seqs=None, t_max=None) -> Tensor:
     """sum_i (sum_t m L / max(sum_t m, 1)) / num_seqs (the original GRPO)."""
@@ -184,6 +191,29 @@ def clip_policy_loss(
             "approx_kl": masked_mean(0.5 * d_B_T.float() ** 2, mask_B_T),
             "ratio_mean": masked_mean(ratio_B_T.float(), mask_B_T),
             "dual_clip_frac": masked_mean(dual_B_T.float(), mask_B_T),
+        }
+    return loss, metrics
+
+
+@register_policy_loss("importance_sampling")
+def importance_sampling_policy_loss(
+    logp_B_T: Tensor,
+    old_logp_B_T: Tensor,
+    adv_B_T: Tensor,
+    mask_B_T: Tensor,
+    settings: LossSettings = LossSettings(),  # noqa: B008 (frozen)
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The unclipped importance-weighted policy gradient: L = -rho A, rho = exp(clamp(logp - old, -20, 20)), then
+    aggregated. Its gradient is -rho A grad(logp): REINFORCE corrected for samples drawn by the `old` policy (tinker's
+    `importance_sampling`). No clipping, so nothing bounds a step where rho is far from 1. Metrics: approx_kl,
+    ratio_mean (masked means over the local tokens)."""
+    d_B_T = logp_B_T - old_logp_B_T.detach()
+    ratio_B_T = d_B_T.clamp(-20.0, 20.0).exp()
+    loss = settings.aggregate(-adv_B_T.detach() * ratio_B_T, mask_B_T)
+    with torch.no_grad():
+        metrics = {
+            "approx_kl": masked_mean(0.5 * d_B_T.float() ** 2, mask_B_T),
+            "ratio_mean": masked_mean(ratio_B_T.float(), mask_B_T),
         }
     return loss, metrics
 

@@ -29,6 +29,16 @@ def linear_names(model: torch.nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+def lora_parameters(model: torch.nn.Module, lora: LoraConfig) -> int:
+    """Parameters of an adapter `lora` on `model` (peft-wrapped or not): rank x (in + out) per adapted Linear."""
+    total = 0
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in lora.target_modules and hasattr(module, "in_features") and hasattr(module, "out_features"):
+            total += lora.r * (int(module.in_features) + int(module.out_features))
+    return total
+
+
 def peft_config(lora: LoraConfig, task_type: str = "CAUSAL_LM", **extra):
     """peft's `LoraConfig` of ours (no bias terms); `extra`: more peft fields (base_model_name_or_path, ...)."""
     import peft

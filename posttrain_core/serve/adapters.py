@@ -3,7 +3,9 @@
 One peft model holds the frozen base and every resident adapter. A forward pass names each row's adapter
 (peft's mixed-adapter batch), so the work of several tenants shares one pass over the base weights. An adapter
 that must make room is written to disk with its weights, optimizer state and pending gradients, in the same
-folder format as a saved checkpoint (`save` / `load`), and comes back bit-exact.
+folder format as a saved checkpoint (`save` / `load`), and comes back bit-exact. Adapters are made by the library's
+LoRA helpers (`models.lora`: seeded, from a `LoraConfig`) and stepped by its optimizer (`train.loop.adamw`,
+`optimizer_step`), as the pipeline's trainers are.
 
 The pool is not thread-safe: the worker's single compute thread owns it.
 """
@@ -18,50 +20,45 @@ from pathlib import Path
 
 import torch
 
+from posttrain_core.config import LoraConfig
+from posttrain_core.serve.memory import adapter_bytes
 from posttrain_core.serve.wire import UserError
+from posttrain_core.train.rl_state import STATE_FILE
 
 log = logging.getLogger("ray.serve")  # Serve formats and forwards its replicas' log lines to the driver
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
-STATE_FILE = "training_state.pt"  # optimizer state, pending gradients, step count (not read by peft)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+MAX_RANK = 512
 
 
-@dataclass(frozen=True)
-class AdapterSpec:
-    """What defines an adapter's shape: tinker's `lora_config` and the server's alpha."""
-
-    rank: int
-    alpha: int
-    targets: tuple[str, ...]
-    seed: int = 0
-
-
-def spec_from_request(lora: dict, alpha: int, linear_names: set[str]) -> AdapterSpec:
-    """An AdapterSpec from a `create_model` request's `lora_config` (train_attn, train_mlp, train_unembed).
+def lora_from_request(request: dict, alpha: int, available: set[str]) -> tuple[LoraConfig, int]:
+    """(LoraConfig, seed) of a `create_model` request's `lora_config` (rank, seed, train_attn, train_mlp,
+    train_unembed), with the server's alpha.
 
     Raises:
-        UserError: the rank is not a positive int, or no adapted module exists in the base (names the field).
+        UserError: the rank is not an int in [1, MAX_RANK], or no adapted module exists in the base (names the field).
     """
-    rank = lora.get("rank")
-    if not isinstance(rank, int) or not 1 <= rank <= 512:
-        raise UserError(f"lora_config.rank: expected an int in [1, 512], got {rank!r}")
-    targets = [*(ATTN if lora.get("train_attn", True) else ()), *(MLP if lora.get("train_mlp", True) else ())]
-    if lora.get("train_unembed", False):
+    rank = request.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_RANK:
+        raise UserError(f"lora_config.rank: expected an int in [1, {MAX_RANK}], got {rank!r}")
+    targets = [*(ATTN if request.get("train_attn", True) else ()), *(MLP if request.get("train_mlp", True) else ())]
+    if request.get("train_unembed", False):
         targets.append("lm_head")
-    targets = [t for t in targets if t in linear_names]
+    targets = [t for t in targets if t in available]
     if not targets:
         raise UserError("lora_config: train_attn, train_mlp and train_unembed select no module of this base model")
-    seed = lora.get("seed")
-    return AdapterSpec(rank=rank, alpha=alpha, targets=tuple(targets), seed=int(seed) if seed is not None else 0)
+    seed = request.get("seed")
+    return LoraConfig(r=rank, alpha=alpha, dropout=0.0, target_modules=targets), int(seed) if seed is not None else 0
 
 
 @dataclass
 class _Adapter:
-    spec: AdapterSpec
+    lora: LoraConfig
     trainable: bool
-    optimizer: torch.optim.AdamW | None = None
+    parameters: int = 0
+    optimizer: torch.optim.Optimizer | None = None
     steps: int = 0
     last_used: float = 0.0
     spilled: Path | None = None  # set while not resident
@@ -77,14 +74,14 @@ class LoraPool:
     """
 
     def __init__(self, model: torch.nn.Module, max_loras: int, spill_dir: Path):
-        from peft import LoraConfig, get_peft_model
+        from posttrain_core.models.lora import apply_lora, linear_names
 
         for p in model.parameters():
             p.requires_grad_(False)
-        self.linear_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.linear_names = linear_names(model)
         # peft needs one adapter to build its wrapper; this rank-1 one is never used by any row.
-        idle = LoraConfig(r=1, target_modules=[sorted(self.linear_names - {"lm_head"})[0]], lora_dropout=0.0)
-        self.model = get_peft_model(model, idle, adapter_name="posttrain_idle").eval()
+        idle = LoraConfig(r=1, alpha=1, target_modules=[sorted(self.linear_names - {"lm_head"})[0]])
+        self.model = apply_lora(model, idle, seed=0).eval().requires_grad_(False)
         self.max_loras = max_loras
         self.spill_dir = Path(spill_dir)
         self.adapters: dict[str, _Adapter] = {}
@@ -93,6 +90,15 @@ class LoraPool:
     # ------------------------------------------------------------------------------------------- residency
     def resident(self) -> list[str]:
         return [n for n, a in self.adapters.items() if a.spilled is None]
+
+    def resident_bytes(self) -> int:
+        """Memory of the resident adapters (weights; gradients and optimizer moments of the trainable ones)."""
+        return sum(self.adapter_bytes(n) for n in self.resident())
+
+    def adapter_bytes(self, name: str) -> int:
+        """Memory of adapter `name` when resident (0: the base, or an unknown name)."""
+        adapter = self.adapters.get(name)
+        return adapter_bytes(adapter.parameters, adapter.trainable) if adapter is not None else 0
 
     def ensure(self, names: list[str]) -> None:
         """Make `names` resident, evicting the least recently used others.
@@ -117,6 +123,15 @@ class LoraPool:
                 self._make_room(keep=set(wanted))
                 self._restore(n)
 
+    def free(self, need: int, keep: set[str], room) -> bool:
+        """Evict least recently used adapters outside `keep` until `room()` (bytes) is at least `need`; whether it is."""
+        while room() < need:
+            others = [n for n in self.resident() if n not in keep]
+            if not others:
+                return False
+            self._evict(min(others, key=lambda n: self.adapters[n].last_used))
+        return True
+
     def _make_room(self, keep: set[str]) -> None:
         resident = self.resident()
         while len(resident) >= self.max_loras:
@@ -137,25 +152,24 @@ class LoraPool:
     def _restore(self, name: str) -> None:
         adapter = self.adapters[name]
         folder, adapter.spilled = adapter.spilled, None
-        self._inject(name, adapter.spec, adapter.trainable)
+        self._inject(name, adapter, seed=0)  # the weights come from the folder next
         self._load_into(name, folder, with_state=True)
         shutil.rmtree(folder, ignore_errors=True)
         log.info("restored adapter %s (%d resident)", name, len(self.resident()))
 
     # -------------------------------------------------------------------------------------------- lifecycle
-    def create(self, name: str, spec: AdapterSpec, trainable: bool = True) -> None:
-        """A fresh adapter (B = 0: it starts as the base model), A drawn from `spec.seed`."""
+    def create(self, name: str, lora: LoraConfig, seed: int = 0, trainable: bool = True) -> None:
+        """A fresh adapter (B = 0: it starts as the base model), A drawn from `seed`."""
         if name in self.adapters:
             raise ValueError(f"adapter {name!r} exists")
         self._make_room(keep=set())
-        self.adapters[name] = _Adapter(spec, trainable, last_used=time.monotonic())
-        self._inject(name, spec, trainable)
+        self.adapters[name] = adapter = _Adapter(lora, trainable, last_used=time.monotonic())
+        self._inject(name, adapter, seed)
 
     def snapshot(self, source: str, name: str) -> None:
         """A frozen copy of `source`'s current weights (a sampler's view of a training adapter)."""
         self.ensure([source])
-        spec = self.adapters[source].spec
-        self.create(name, spec, trainable=False)
+        self.create(name, self.adapters[source].lora, trainable=False)
         self.ensure([source, name])
         with torch.no_grad():
             mine = self._params(name)
@@ -171,23 +185,20 @@ class LoraPool:
         else:
             shutil.rmtree(adapter.spilled, ignore_errors=True)
 
-    def _inject(self, name: str, spec: AdapterSpec, trainable: bool) -> None:
-        from peft import LoraConfig
+    def _inject(self, name: str, adapter: _Adapter, seed: int) -> None:
+        from posttrain_core.models.lora import add_adapter
+        from posttrain_core.train.loop import adamw
 
-        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0)
-        rng = torch.random.get_rng_state()
-        try:
-            torch.manual_seed(spec.seed)
-            self.model.add_adapter(name, config)
-        finally:
-            torch.random.set_rng_state(rng)
+        add_adapter(self.model, name, adapter.lora, seed)
         self.model.eval()
         # peft re-applies its own active-adapter flags to every layer it touches: set all of them again.
         for other in self.resident():
             for p in self._params(other).values():
                 p.requires_grad_(self.adapters[other].trainable)
-        if trainable:
-            self.adapters[name].optimizer = torch.optim.AdamW(list(self._params(name).values()))
+        params = list(self._params(name).values())
+        adapter.parameters = sum(p.numel() for p in params)
+        if adapter.trainable:
+            adapter.optimizer = adamw(params, lr=1e-4)  # each optim_step sets the request's AdamParams
 
     def _params(self, name: str) -> dict[str, torch.nn.Parameter]:
         """The adapter's parameters by a name without the adapter's (stable across evictions), sorted."""
@@ -202,16 +213,12 @@ class LoraPool:
         Args:
             adam: tinker's AdamParams: learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm (0: off).
         """
+        from posttrain_core.train.loop import optimizer_step
+
         self.ensure([name])
         adapter = self.adapters[name]
         if adapter.optimizer is None:
             raise UserError(f"model {name!r} is a sampler snapshot; it has no optimizer")
-        params = list(self._params(name).values())
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else 0.0
-        clip = float(adam.get("grad_clip_norm") or 0.0)
-        if clip > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         for group in adapter.optimizer.param_groups:
             group.update(
                 lr=float(adam.get("learning_rate", 1e-4)),
@@ -219,33 +226,25 @@ class LoraPool:
                 eps=float(adam.get("eps", 1e-12)),
                 weight_decay=float(adam.get("weight_decay", 0.0)),
             )
-        adapter.optimizer.step()
-        adapter.optimizer.zero_grad(set_to_none=True)
+        params = list(self._params(name).values())
+        norm, _ = optimizer_step(params, adapter.optimizer, None, float(adam.get("grad_clip_norm") or 0.0))
         adapter.steps += 1
-        return {"grad_norm:max": float(norm)}
+        return {"grad_norm:max": norm}
 
     # ------------------------------------------------------------------------------------------ save / load
     def save(self, name: str, folder: Path, with_state: bool, base_path: str | None = None) -> None:
         """Write a peft adapter folder (adapter_config.json + adapter_model.safetensors) and, `with_state`, the
-        optimizer state, pending gradients and step count (`training_state.pt`)."""
-        from peft import LoraConfig
+        optimizer state, pending gradients and step count (`STATE_FILE`)."""
         from safetensors.torch import save_file
+
+        from posttrain_core.models.lora import peft_config
 
         self.ensure([name])
         adapter = self.adapters[name]
         folder.mkdir(parents=True, exist_ok=True)
         params = self._params(name)
         save_file({k: p.detach().contiguous() for k, p in params.items()}, str(folder / "adapter_model.safetensors"))
-        spec = adapter.spec
-        config = LoraConfig(
-            r=spec.rank,
-            lora_alpha=spec.alpha,
-            target_modules=list(spec.targets),
-            lora_dropout=0.0,
-            task_type="CAUSAL_LM",
-            base_model_name_or_path=base_path,
-        )
-        config.save_pretrained(str(folder))
+        peft_config(adapter.lora, base_model_name_or_path=base_path).save_pretrained(str(folder))
         if with_state:
             state = {
                 "optimizer": adapter.optimizer.state_dict() if adapter.optimizer is not None else None,
@@ -254,15 +253,21 @@ class LoraPool:
             }
             torch.save(state, folder / STATE_FILE)
 
-    def load(self, name: str, folder: Path, with_state: bool, trainable: bool = True) -> AdapterSpec:
-        """A new adapter `name` from a folder `save` wrote (weights; `with_state`: optimizer state too)."""
-        from peft import LoraConfig
+    def load(self, name: str, folder: Path, with_state: bool, trainable: bool = True) -> LoraConfig:
+        """A new adapter `name` from a folder `save` wrote (weights; `with_state`: optimizer state too).
 
-        config = LoraConfig.from_pretrained(str(folder))  # its adapter_config.json; the weights come next
-        spec = AdapterSpec(rank=config.r, alpha=config.lora_alpha, targets=tuple(sorted(config.target_modules)))
-        self.create(name, spec, trainable=trainable)
+        Raises:
+            UserError: `with_state` and the folder holds no optimizer state (a sampler checkpoint).
+        """
+        import peft
+
+        if with_state and not (folder / STATE_FILE).exists():
+            raise UserError("path: this checkpoint holds no optimizer state (save it with save_state to resume one)")
+        saved = peft.LoraConfig.from_pretrained(str(folder))  # its adapter_config.json; the weights come next
+        lora = LoraConfig(r=saved.r, alpha=saved.lora_alpha, target_modules=sorted(saved.target_modules))
+        self.create(name, lora, trainable=trainable)
         self._load_into(name, folder, with_state)
-        return spec
+        return lora
 
     def _load_into(self, name: str, folder: Path, with_state: bool) -> None:
         from safetensors.torch import load_file
@@ -275,7 +280,7 @@ class LoraPool:
             for k, p in params.items():
                 p.copy_(weights[k])
         adapter = self.adapters[name]
-        if with_state and (folder / STATE_FILE).exists():
+        if with_state:
             state = torch.load(folder / STATE_FILE, weights_only=True)
             if adapter.optimizer is not None and state["optimizer"] is not None:
                 adapter.optimizer.load_state_dict(state["optimizer"])

@@ -1,5 +1,6 @@
-"""The work of one scheduler batch on a `LoraPool`: forward/backward of many requests (any adapters) in shared
-passes, and sampling (the project's one decode loop, `rollout.hf_engine.decode`, with each row's adapter).
+"""The work of one scheduler batch on a `LoraPool`: forward/backward of many requests (any adapters) in shared passes,
+and sampling (the project's one decode loop, `rollout.hf_engine.decode`, with each row's adapter), every pass and
+decode batch sized to the worker's memory budget (`Budget`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,43 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from posttrain_core.algorithms.losses import token_logprobs as logprobs_of
+from posttrain_core.models.heads import TokenLogprobs
 from posttrain_core.rollout.engine import SamplingSettings
 from posttrain_core.rollout.hf_engine import decode, sample_seed
 from posttrain_core.serve.adapters import LoraPool
-from posttrain_core.serve.losses import token_losses
-from posttrain_core.serve.wire import ForwardBackward
+from posttrain_core.serve.losses import inputs_B_T, request_loss
+from posttrain_core.serve.memory import RESERVE, Shape, gib, pass_bytes, sample_bytes
+from posttrain_core.serve.wire import ForwardBackward, UserError
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A worker's memory: `total` bytes in all, `base` of them taken by the process with its model loaded."""
+
+    total: int
+    base: int
+    shape: Shape
+
+    def room(self, pool: LoraPool) -> int:
+        """Bytes one pass may take now: what the resident adapters and `RESERVE` leave."""
+        return self.total - self.base - pool.resident_bytes() - RESERVE
+
+    def room_alone(self, pool: LoraPool, adapter: str) -> int:
+        """Bytes one pass may take with `adapter` the only one resident (the others evicted to make room)."""
+        return self.total - self.base - pool.adapter_bytes(adapter) - RESERVE
+
+    def check(self, what: str, need: int, pool: LoraPool, adapter: str) -> None:
+        """Refuse work that cannot fit one pass even with every other adapter evicted.
+
+        Raises:
+            UserError: names `what`, what it needs and what the budget leaves.
+        """
+        room = self.room_alone(pool, adapter)
+        if need > room:
+            raise UserError(
+                f"{what} needs ~{gib(need)} of memory in one pass; this worker's budget leaves {gib(room)} per pass "
+                f"(of {gib(self.total)}: posttrain serve --memory-gb)"
+            )
 
 
 @dataclass
@@ -26,22 +58,37 @@ class _Row:
     tokens: list[int]
 
 
-def _micro_batches(rows: list[_Row], max_tokens: int) -> list[list[_Row]]:
-    """Consecutive rows whose padded size (rows x longest) stays within `max_tokens` (at least one row each)."""
-    batches: list[list[_Row]] = []
-    current: list[_Row] = []
-    longest = 0
-    for row in rows:
-        grown = max(longest, len(row.tokens))
-        if current and grown * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, grown = [], len(row.tokens)
-        current.append(row)
-        longest = grown
-    return [*batches, current] if current else batches
+def _rank(pool: LoraPool, adapters: list[str]) -> int:
+    return max((pool.adapters[a].lora.r for a in set(adapters) if a in pool.adapters), default=0)
 
 
-def token_logprobs(pool: LoraPool, rows: list[_Row], targets: list[list[int]], pad_id: int) -> list[torch.Tensor]:
+def _passes(rows: list[_Row], budget: Budget, pool: LoraPool, rank: int) -> list[list[_Row]]:
+    """The rows, shortest first, cut into passes that each fit the budget's room (evicting adapters outside the
+    batch if the longest row alone does not fit).
+
+    Raises:
+        UserError: a row that cannot fit alone.
+    """
+    order = sorted(rows, key=lambda r: len(r.tokens))
+    if not order:
+        return []
+    longest = order[-1]
+    need = pass_bytes(budget.shape, 1, len(longest.tokens), rank)
+    if not pool.free(need, {r.adapter for r in rows}, lambda: budget.room(pool)):
+        raise UserError(
+            f"a datum of {len(longest.tokens)} tokens needs ~{gib(need)} of memory in one pass, and the adapters "
+            f"of this batch leave {gib(budget.room(pool))}; send it in a batch of its own"
+        )
+    room = budget.room(pool)
+    passes: list[list[_Row]] = [[]]
+    for row in order:  # sorted: the row joining a pass is its longest
+        if passes[-1] and pass_bytes(budget.shape, len(passes[-1]) + 1, len(row.tokens), rank) > room:
+            passes.append([])
+        passes[-1].append(row)
+    return passes
+
+
+def _logprobs(net: TokenLogprobs, rows: list[_Row], targets: list[list[int]], pad_id: int) -> list[torch.Tensor]:
     """log p(target_t | tokens_<=t) of each row under its adapter, in one right-padded pass (grad as enabled)."""
     longest = max(len(r.tokens) for r in rows)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
@@ -49,50 +96,56 @@ def token_logprobs(pool: LoraPool, rows: list[_Row], targets: list[list[int]], p
     for i, r in enumerate(rows):
         ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
         mask[i, : len(r.tokens)] = 1
-    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
-    for i, target in enumerate(targets):
-        labels[i, : len(target)] = torch.tensor(target)
-    logits = pool.model(input_ids=ids, attention_mask=mask, adapter_names=[r.adapter for r in rows]).logits
-    logp_B_T = logprobs_of(logits, labels)
-    return [logp_B_T[i, : len(r.tokens)] for i, r in enumerate(rows)]
+    labels = torch.cat([torch.as_tensor(t, dtype=torch.long) for t in targets])
+    logp_N, _ = net(ids, mask, mask.bool(), labels, adapters=[r.adapter for r in rows])
+    return list(logp_N.split([len(r.tokens) for r in rows]))
 
 
 def forward_backward(
-    pool: LoraPool, jobs: list[tuple[str, ForwardBackward]], pad_id: int, max_batch_tokens: int
-) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
-    """Run every job's datums (each on its own adapter) in shared micro-batches; gradients of the jobs that are not
+    pool: LoraPool, net: TokenLogprobs, jobs: list[tuple[str, ForwardBackward]], pad_id: int, budget: Budget
+) -> tuple[list[tuple[list[dict[str, np.ndarray]], dict[str, float]]], int]:
+    """Run every job's datums (each on its own adapter) in shared passes; gradients of the jobs that are not
     `forward_only` accumulate in their adapters until `optim_step`.
 
     Returns:
-        Per job: per-datum outputs (`logprobs` and `elementwise_loss`, float32, one per input position) and its
-        metrics (`loss:sum`).
+        Per job: per-datum outputs (`logprobs`, float32, one per input position) and its metrics (`loss:sum`); and
+        the number of passes run.
     """
-    pool.ensure([adapter for adapter, _ in jobs])
+    adapters = [adapter for adapter, _ in jobs]
+    pool.ensure(adapters)
     rows = [
         _Row(j, d, adapter, datum.tokens) for j, (adapter, req) in enumerate(jobs) for d, datum in enumerate(req.data)
     ]
     outputs: list[list[dict[str, np.ndarray]]] = [[{} for _ in req.data] for _, req in jobs]
     totals = [0.0] * len(jobs)
-    for batch in _micro_batches(rows, max_batch_tokens):
-        datums = [jobs[r.job][1].data[r.datum] for r in batch]
-        train = [not jobs[r.job][1].forward_only for r in batch]
-        targets = [d.inputs["target_tokens"].astype(np.int64).tolist() for d in datums]
-        with torch.set_grad_enabled(any(train)):
-            logps = token_logprobs(pool, batch, targets, pad_id)
-            losses = [
-                token_losses(jobs[r.job][1].loss_fn, logp, d, jobs[r.job][1].loss_config)
-                for r, logp, d in zip(batch, logps, datums, strict=True)
-            ]
-            trained = [loss.sum() for loss, t in zip(losses, train, strict=True) if t]
+    passes = _passes(rows, budget, pool, _rank(pool, adapters))
+    for batch in passes:
+        targets = [jobs[r.job][1].data[r.datum].inputs["target_tokens"] for r in batch]
+        train = any(not jobs[r.job][1].forward_only for r in batch)
+        with torch.set_grad_enabled(train):
+            logps = _logprobs(net, batch, targets, pad_id)
+            trained = []
+            for j in sorted({r.job for r in batch}):  # each request's rows of this pass: its summed loss
+                mine = [k for k, r in enumerate(batch) if r.job == j]
+                req = jobs[j][1]
+                width = max(len(batch[k].tokens) for k in mine)
+                logp_B_T = torch.zeros((len(mine), width))
+                mask_B_T = torch.zeros((len(mine), width))
+                for b, k in enumerate(mine):
+                    logp_B_T[b, : len(logps[k])] = logps[k]
+                    mask_B_T[b, : len(logps[k])] = 1.0
+                datums = [req.data[batch[k].datum] for k in mine]
+                loss = request_loss(
+                    req.loss_fn, req.loss_config, logp_B_T, mask_B_T, inputs_B_T(req.loss_fn, datums, width)
+                )
+                totals[j] += float(loss.detach())
+                if not req.forward_only:
+                    trained.append(loss)
             if trained:
                 torch.stack(trained).sum().backward()
-        for r, logp, loss in zip(batch, logps, losses, strict=True):
-            outputs[r.job][r.datum] = {
-                "logprobs": logp.detach().numpy().astype(np.float32),
-                "elementwise_loss": loss.detach().numpy().astype(np.float32),
-            }
-            totals[r.job] += float(loss.detach().sum())
-    return [(outputs[j], {"loss:sum": totals[j]}) for j in range(len(jobs))]
+        for r, logp in zip(batch, logps, strict=True):
+            outputs[r.job][r.datum] = {"logprobs": logp.detach().numpy().astype(np.float32)}
+    return [(outputs[j], {"loss:sum": totals[j]}) for j in range(len(jobs))], len(passes)
 
 
 @dataclass
@@ -100,13 +153,32 @@ class SampleJob:
     adapter: str
     prompt: list[int]
     n: int
-    params: SamplingSettings  # n, seed and stop strings of the request; `n` here is unused
+    params: SamplingSettings  # temperature, top-p/k, max_tokens and stop strings; its `n` is unused (1)
     seed: int | None
     stop_ids: tuple[int, ...] | None  # None: the base model's end-of-sequence tokens
     prompt_logprobs: bool
 
 
-def sample(pool: LoraPool, tokenizer, pad_id: int, eos_ids: list[int], jobs: list[SampleJob]) -> list[dict]:
+def check_sample(job: SampleJob, budget: Budget, pool: LoraPool) -> None:
+    """Refuse a sample whose one row cannot fit the worker's budget (before any compute).
+
+    Raises:
+        UserError: names the prompt and max_tokens.
+    """
+    need = sample_bytes(budget.shape, 1, len(job.prompt), job.params.max_tokens)
+    what = f"a sample of a {len(job.prompt)}-token prompt and max_tokens {job.params.max_tokens}"
+    budget.check(what, need, pool, job.adapter)
+
+
+def sample(
+    pool: LoraPool,
+    net: TokenLogprobs,
+    tokenizer,
+    pad_id: int,
+    eos_ids: list[int],
+    jobs: list[SampleJob],
+    budget: Budget,
+) -> list[dict]:
     """Every job's n samples; jobs with the same sampling settings share decode batches whatever their adapters.
 
     Returns:
@@ -130,16 +202,28 @@ def sample(pool: LoraPool, tokenizer, pad_id: int, eos_ids: list[int], jobs: lis
                     adapters.append(job.adapter)
                     owners.append(i)
             stops = list(stop_ids) if stop_ids is not None else eos_ids
-            outs = decode(pool.model, tokenizer, pad_id, stops, contexts, seeds, params, adapters=adapters)
-            for owner, out in zip(owners, outs, strict=True):
-                results[owner]["sequences"].append(
-                    {"tokens": out["response_ids"], "logprobs": out["logprobs"], "stop_reason": out["finish_reason"]}
-                )
-        wanted = [i for i, job in enumerate(jobs) if job.prompt_logprobs]
-        if wanted:
-            rows = [_Row(i, 0, jobs[i].adapter, jobs[i].prompt[:-1] or jobs[i].prompt) for i in wanted]
-            targets = [jobs[i].prompt[1:] or [] for i in wanted]
-            logps = token_logprobs(pool, rows, [t or [0] for t in targets], pad_id)
-            for i, target, logp in zip(wanted, targets, logps, strict=True):
-                results[i]["prompt_logprobs"] = [None] + logp[: len(target)].tolist()
+            per_row = sample_bytes(budget.shape, 1, max(len(c) for c in contexts), params.max_tokens)
+            pool.free(per_row, set(adapters), lambda: budget.room(pool))
+            size = max(1, budget.room(pool) // per_row)
+            for start in range(0, len(contexts), size):
+                part = slice(start, start + size)
+                outs = decode(pool.model, tokenizer, pad_id, stops, contexts[part], seeds[part], params,
+                              adapters=adapters[part])  # fmt: skip
+                for owner, out in zip(owners[part], outs, strict=True):
+                    results[owner]["sequences"].append(
+                        {
+                            "tokens": out["response_ids"],
+                            "logprobs": out["logprobs"],
+                            "stop_reason": out["finish_reason"],
+                        }
+                    )
+        wanted = [i for i, job in enumerate(jobs) if job.prompt_logprobs and len(job.prompt) > 1]
+        rows = [_Row(i, 0, jobs[i].adapter, jobs[i].prompt[:-1]) for i in wanted]
+        for batch in _passes(rows, budget, pool, _rank(pool, [r.adapter for r in rows])):
+            logps = _logprobs(net, batch, [jobs[r.job].prompt[1:] for r in batch], pad_id)
+            for r, logp in zip(batch, logps, strict=True):
+                results[r.job]["prompt_logprobs"] = [None, *logp.tolist()]
+        for i, job in enumerate(jobs):
+            if job.prompt_logprobs and len(job.prompt) == 1:
+                results[i]["prompt_logprobs"] = [None]
     return results

@@ -5,6 +5,11 @@ journal, and sent to its base model's worker; the SDK then long-polls `retrieve_
 an unknown or foreign id answers 404 at once (the SDK does not retry it); content the worker refuses fails the
 future with category `user`, naming the field; a bug, or state lost in a restart, fails it with category
 `server`. A tenant with `max_queued` requests unfinished gets 429, which the SDK backs off from and retries.
+
+A model worker that dies (out of memory, a crash) takes down nothing else: its requests in flight fail with category
+`server`, Serve starts a new worker, and a later request for a model or sampler that lived on the old one fails
+with category `server`, naming the model's last saved state to load. The gateway tells the new worker by its
+`incarnation`; the other base models' workers and their tenants carry on.
 """
 
 import asyncio
@@ -20,6 +25,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from posttrain_core.serve import checkpoints
+from posttrain_core.serve.config import ServeConfig
 from posttrain_core.serve.futures import Futures
 from posttrain_core.serve.state import Journal
 from posttrain_core.serve.wire import UserError, decode_forward_backward
@@ -29,25 +35,33 @@ log = logging.getLogger("ray.serve")  # Serve formats and forwards its replicas'
 app = FastAPI(title="posttrain serve", description="tinker-compatible training and sampling of LoRA adapters")
 API = "/api/v1"
 EPHEMERAL_SAMPLERS = 2  # sampler snapshots kept per model (rl loops take a new one every batch)
+STATUS_WAIT_S = 5.0  # how long the status view waits for a worker (one busy in a long pass answers between rounds)
 
 
 @serve.deployment
 @serve.ingress(app)
 class Gateway:
-    """See the module docstring. `settings` are `ServeConfig`'s fields; `workers` the handles by base name."""
+    """See the module docstring.
 
-    def __init__(self, settings: dict[str, Any], workers: dict[str, Any]):
+    Args:
+        config: the service's settings, resolved by `app.start` (local base model folders, store, state_dir).
+        keys: API key -> tenant (None: any tml- key is its own tenant).
+        workers: each base model's `ModelWorker` handle, by its public name.
+    """
+
+    def __init__(self, config: ServeConfig, keys: dict[str, str] | None, workers: dict[str, Any]):
         from posttrain_core.artifacts import ArtifactStore
         from posttrain_core.models.loading import check_model_path
 
-        self.settings, self.workers = settings, workers
-        self.bases = {name: {"path": path, **check_model_path(path)} for name, path in settings["base_models"].items()}
-        self.store = ArtifactStore(settings["store"])
+        self.config, self.workers, self.keys = config, workers, keys
+        self.bases = {name: {"path": path, **check_model_path(path)} for name, path in config.base_models.items()}
+        self.store = ArtifactStore(config.store)
         self.base_refs = {name: checkpoints.base_ref(self.store, b["path"]) for name, b in self.bases.items()}
-        self.journal = Journal(Path(settings["state_dir"]) / "journal.sqlite")
-        self.keys: dict[str, str] | None = settings.get("keys")
-        self.futures = Futures(self.journal, settings["max_queued"], settings["long_poll_s"])
+        self.journal = Journal(Path(config.state_dir) / "journal.sqlite")
+        self.futures = Futures(self.journal, config.max_queued, config.long_poll_s)
         self.snapshots: dict[str, deque[str]] = {}
+        # adapter -> (the worker incarnation it lives in, its model or sampler id): a worker restart loses it
+        self.homes: dict[str, tuple[str, str]] = {}
         self.seen: set[tuple[str, str, str]] = set()
         log.info("gateway up: epoch %d, bases %s, store %s", self.journal.epoch, list(self.bases), self.store.root)
 
@@ -93,12 +107,44 @@ class Gateway:
             raise HTTPException(404, f"base_model: {name!r} is not served here (served: {', '.join(self.bases)})")
         return name
 
-    async def _submit(self, tenant: str, base: str, kind: str, payload: dict) -> Any:
-        """Run one worker request; its result, or raise UserError / RuntimeError (category server)."""
-        outcome = await self.workers[base].submit.remote(tenant, kind, payload)
+    async def _submit(self, tenant: str, base: str, kind: str, payload: dict, home: str | None = None) -> Any:
+        """Run one worker request; its result, or raise UserError / RuntimeError (category server).
+
+        `home`: the model or sampler id whose adapter (`payload["adapter"]`) this request creates or loads; the
+        adapter is then known to live in the answering worker.
+        """
+        try:
+            outcome = await self.workers[base].submit.remote(tenant, kind, payload)
+        except Exception as e:  # the worker process died with the request queued or running
+            log.error("worker of %s died during a %s request of tenant %s: %s", base, kind, tenant, e)
+            raise RuntimeError(
+                f"the model worker of {base!r} stopped while this request was queued or running (it ran out of "
+                "memory or crashed; the service starts a new one): the request did not complete, and the unsaved "
+                "steps of the models on that worker are lost; load your last saved state"
+            ) from None
         if "error" in outcome:
+            lost = self._lost(tenant, payload, outcome["incarnation"])
+            if lost is not None:
+                raise RuntimeError(lost)
             raise (UserError if outcome["category"] == "user" else RuntimeError)(outcome["error"])
+        if home is not None:
+            self.homes[payload["adapter"]] = (outcome["incarnation"], home)
         return outcome["result"]
+
+    def _lost(self, tenant: str, payload: dict, incarnation: str) -> str | None:
+        """The message for a request on an adapter that a restarted worker no longer has, or None."""
+        for adapter in [payload.get("adapter"), payload.get("source")]:
+            if adapter not in self.homes or self.homes[adapter][0] == incarnation:
+                continue
+            owner = self.homes[adapter][1]
+            if ":sample:" in owner:
+                return (f"sampler {owner!r} was lost when its model worker restarted (out of memory or a crash); "
+                        "create a new sampling client")  # fmt: skip
+            saved = self.journal.last_checkpoint(owner, tenant)
+            then = (f"load its last saved state, {saved}, with create_training_client_from_state_with_optimizer"
+                    if saved else "it was never saved: create a new model")  # fmt: skip
+            return f"model {owner!r} lost its unsaved state when its model worker restarted (out of memory or a crash); {then}"
+        return None
 
     # ------------------------------------------------------------------------------------- client + session
     @app.post(API + "/client/config")
@@ -168,7 +214,7 @@ class Gateway:
         adapter = f"t{uuid.uuid4().hex[:12]}"
 
         async def work():
-            await self._submit(tenant, base, "create", {"adapter": adapter, "lora_config": lora})
+            await self._submit(tenant, base, "create", {"adapter": adapter, "lora_config": lora}, home=model_id)
             log.info("tenant %s: model %s on %s (rank %s)", tenant, model_id, base, lora.get("rank"))
             return {"model_id": model_id, "type": "create_model"}
 
@@ -311,7 +357,8 @@ class Gateway:
                 return {"path": await self._save(tenant, model_id, model, "sampler_weights", body)}
             sampler_id = f"{model['session']}:sample:{body.get('sampling_session_seq_id')}"
             snapshot = f"p{uuid.uuid4().hex[:12]}"
-            await self._submit(tenant, model["base"], "snapshot", {"source": model["adapter"], "adapter": snapshot})
+            payload = {"source": model["adapter"], "adapter": snapshot}
+            await self._submit(tenant, model["base"], "snapshot", payload, home=sampler_id)
             self.journal.add_sampler(sampler_id, tenant, model["base"], snapshot, None)
             kept = self.snapshots.setdefault(model_id, deque())
             kept.append(snapshot)
@@ -344,7 +391,7 @@ class Gateway:
             if drop:
                 await self._submit(tenant, base, "drop", {"adapters": drop})
             payload = {"adapter": adapter, "folder": folder, "with_state": with_state, "trainable": True}
-            await self._submit(tenant, base, "load", payload)
+            await self._submit(tenant, base, "load", payload, home=model_id)
             log.info("tenant %s: model %s loaded from %s (optimizer: %s)", tenant, model_id, path, with_state)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
@@ -363,7 +410,7 @@ class Gateway:
             adapter = f"p{uuid.uuid4().hex[:12]}"
             payload = {"adapter": adapter, "folder": folder, "with_state": False, "trainable": False}
             try:
-                await self._submit(tenant, base, "load", payload)
+                await self._submit(tenant, base, "load", payload, home=sampler_id)
             except UserError as e:
                 raise HTTPException(400, str(e)) from None
         else:
@@ -415,7 +462,12 @@ class Gateway:
     async def status(self, request: Request):
         """Operators' view: each worker's queue, resident adapters and throughput counters; the routes served."""
         self._tenant(request)
-        workers = {name: await handle.describe.remote() for name, handle in self.workers.items()}
+        workers = {}
+        for name, handle in self.workers.items():  # a worker being restarted must not hold up the others' view
+            try:
+                workers[name] = await asyncio.wait_for(handle.describe.remote(), STATUS_WAIT_S)
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                workers[name] = {"unavailable": f"{type(e).__name__}: {e}"}
         routes = sorted(self.seen)
         return {
             "epoch": self.journal.epoch,

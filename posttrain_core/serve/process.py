@@ -24,11 +24,13 @@ class ServiceProcess:
 
     Args:
         keys: API key -> tenant, written to a keys file beside `state_dir`.
+        more_bases: more base models, name -> path (a worker each).
         flags: more `posttrain serve` options, e.g. `max_loras=2` for `--max-loras 2`.
     """
 
     def __init__(self, base_name: str, base_path: Path, store: Path, state_dir: Path, log: Path,
-                 keys: dict[str, str], port: int | None = None, **flags):  # fmt: skip
+                 keys: dict[str, str], port: int | None = None, more_bases: dict[str, Path] | None = None,
+                 **flags):  # fmt: skip
         self.base_name, self.base_path, self.store, self.state_dir, self.log = (
             base_name,
             base_path,
@@ -37,6 +39,7 @@ class ServiceProcess:
             log,
         )
         self.keys = keys
+        self.bases = {base_name: base_path, **(more_bases or {})}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = {k.replace("_", "-"): v for k, v in flags.items()}
@@ -47,9 +50,10 @@ class ServiceProcess:
         keys = self.state_dir.parent / "keys.txt"
         keys.parent.mkdir(parents=True, exist_ok=True)
         keys.write_text("".join(f"{k} {t}\n" for k, t in self.keys.items()))
-        cmd = [sys.executable, "-m", "flows.cli", "--store", str(self.store), "serve", "--base-model",
-               f"{self.base_name}={self.base_path}", "--port", str(self.port), "--keys", str(keys),
-               "--state-dir", str(self.state_dir)]  # fmt: skip
+        cmd = [sys.executable, "-m", "flows.cli", "--store", str(self.store), "serve", "--port", str(self.port),
+               "--keys", str(keys), "--state-dir", str(self.state_dir)]  # fmt: skip
+        for name, path in self.bases.items():
+            cmd += ["--base-model", f"{name}={path}"]
         for name, value in self.flags.items():
             cmd += [f"--{name}", str(value)]
         env = own_ray_environment()

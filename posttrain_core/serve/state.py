@@ -161,6 +161,15 @@ class Journal:
     def add_checkpoint(self, path: str, tenant: str, model_id: str, key: str) -> None:
         self._run("INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?)", (path, tenant, model_id, key))
 
+    def last_checkpoint(self, model_id: str, tenant: str) -> str | None:
+        """The tinker path of the model's newest checkpoint with its optimizer state (else its newest of any kind)."""
+        with self.lock:
+            rows = self.db.execute(
+                "SELECT path FROM checkpoints WHERE model=? AND tenant=? ORDER BY rowid DESC", (model_id, tenant)
+            ).fetchall()
+        paths = [r[0] for r in rows]
+        return next((p for p in paths if "/weights/" in p), paths[0] if paths else None)
+
     def checkpoint_owner(self, path: str) -> str | None:
         row = self._one("SELECT tenant FROM checkpoints WHERE path=?", (path,))
         return row[0] if row else None

@@ -12,6 +12,8 @@ from typing import Any
 
 from posttrain_core.config import RLConfig
 
+# The optimizer state and counters beside a trained model's weights, here and in a `posttrain serve` checkpoint: what
+# lets training continue exactly where it stopped. peft and transformers never read it.
 STATE_FILE = "trainer_state.pt"
 CRITIC_DIR = "critic"
 
