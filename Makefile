@@ -44,7 +44,7 @@ $(VLLM_STAMP): $(STAMP) scripts/vllm_env.sh
 vllm-env: $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
-	POSTTRAIN_REQUIRE_VLLM=1 POSTTRAIN_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q -ra
+	POSTTRAIN_REQUIRE_VLLM=1 POSTTRAIN_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q -ra --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
