@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, field in ServeConfig.model_fields.items():
         if name == STORE_FIELD:
             continue
-        default = "" if field.is_required() else f" (default: {field.default})"
+        stated = field.is_required() or field.default is None  # a None default is described in words
+        default = "" if stated else f" (default: {field.default})"
         if name == "base_models":
             parser.add_argument(flag(name), dest=name, action="append", required=True, metavar="NAME=PATH",
                                 help=f"{field.description}; repeat for several base models")  # fmt: skip
