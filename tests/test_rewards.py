@@ -47,29 +47,25 @@ def _components(table: pa.Table) -> list[dict[str, float]]:
     return [dict(row) for row in table.column("reward_components").to_pylist()]
 
 
-def test_exact_match_cases_and_malformed_answers():
-    table = rollouts(
-        ["42", "The answer is 42.", "41", "", "   ", "A: 42", "\x00\ufffd garbage", "42"],
-        ["42", "42", "42", "42", "42", "42", "42", None],
-    )
+def test_verifier_outcomes_become_the_reward_correct_and_parse_failed_columns():
+    """What `score_rollouts` makes of each verifier's outcome (test_verifiers.py checks the verifiers' cases): the
+    reward, `correct` (None where a row has no answer, or no verifier compares with one) and `parse_failed` columns,
+    with the input columns kept."""
+    table = rollouts(["42", "41", "", "\x00\ufffd garbage", "42", "42"], ["42", "42", "42", "42", None, "42"])
     out = score_rollouts(table, ScoreConfig(verifiers={"exact_match": 1.0}))
-    assert out.column("reward").to_pylist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
-    assert out.column("correct").to_pylist() == [True, True, False, False, False, True, False, None]
-    assert out.column("parse_failed").to_pylist() == [False, False, False, True, True, False, False, False]
+    assert out.column("reward").to_pylist() == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert out.column("correct").to_pylist() == [True, False, False, False, None, True]
+    assert out.column("parse_failed").to_pylist() == [False, False, True, False, False, False]
     assert _components(out)[0] == {"exact_match": 1.0}
     # input columns (including the extra `messages`) are kept
     assert out.column("messages").to_pylist() == table.column("messages").to_pylist()
 
-
-def test_numeric_and_regex_verifiers():
-    table = rollouts(
-        ["about 42.0", "4.2e1", "1,000", "no number here", "42", "7"],
-        ["42", "42", "1000", "42", "not a number", None],
+    num = score_rollouts(
+        rollouts(["4.2e1", "no number here", "7"], ["42", "42", None]), ScoreConfig(verifiers={"numeric": 1.0})
     )
-    out = score_rollouts(table, ScoreConfig(verifiers={"numeric": 1.0}))
-    assert out.column("reward").to_pylist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
-    assert out.column("parse_failed").to_pylist() == [False, False, False, True, False, False]
-    assert out.column("correct").to_pylist() == [True, True, True, False, False, None]
+    assert num.column("reward").to_pylist() == [1.0, 0.0, 0.0]
+    assert num.column("parse_failed").to_pylist() == [False, True, False]
+    assert num.column("correct").to_pylist() == [True, False, None]
 
     fmt = score_rollouts(
         rollouts(["42", "forty-two", "", "42 "], ["42"] * 4), ScoreConfig(verifiers={"regex": 1.0}, regex=r"^\d+$")

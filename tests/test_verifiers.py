@@ -28,7 +28,8 @@ def test_extract_answer():
 @pytest.mark.parametrize(
     "response, reward, parse_failed",
     [("82", 1.0, False), (" 82 ", 1.0, False), ("82.", 1.0, False), ("the answer is 82", 1.0, False),
-     ("eighty-two", 0.0, False), ("83", 0.0, False), ("", 0.0, True), (None, 0.0, True), (b"\x00", 0.0, True)],
+     ("eighty-two", 0.0, False), ("83", 0.0, False), ("", 0.0, True), (None, 0.0, True), (b"\x00", 0.0, True),
+     ("\x00\ufffd garbage", 0.0, False)],
 )  # fmt: skip
 def test_exact_match(response, reward, parse_failed):
     out = exact_match([], response, "82", {})
@@ -39,10 +40,15 @@ def test_exact_match(response, reward, parse_failed):
 @pytest.mark.parametrize(
     "response, reward, parse_failed",
     [("82", 1.0, False), ("The answer is 82.", 1.0, False), (" 82 ", 1.0, False), ("82.0", 1.0, False),
-     ("eighty-two", 0.0, True), ("", 0.0, True), (None, 0.0, True), ("}{%$", 0.0, True), ("81", 0.0, False)],
+     ("eighty-two", 0.0, True), ("", 0.0, True), (None, 0.0, True), ("}{%$", 0.0, True), ("81", 0.0, False),
+     ("8.2e1", 1.0, False), ("about 82.0", 1.0, False)],
 )  # fmt: skip
 def test_numeric(response, reward, parse_failed):
-    assert numeric([], response, "82", {}) == {"numeric": reward, "parse_failed": float(parse_failed), "correct": reward}
+    assert numeric([], response, "82", {}) == {
+        "numeric": reward,
+        "parse_failed": float(parse_failed),
+        "correct": reward,
+    }
 
 
 def test_numeric_edge_cases():
