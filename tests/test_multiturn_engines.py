@@ -133,6 +133,7 @@ def test_the_hf_engine_runs_a_users_tool_over_turns(tool_model):
     assert again[0].drop_columns(["turns"]).equals(again[1].drop_columns(["turns"]))
 
 
+@pytest.mark.slow
 def test_the_vllm_engine_gives_the_same_greedy_trajectories(tool_model, ray_session, vllm_or_skip):
     import ray
 

@@ -152,6 +152,7 @@ def test_the_source_of_a_reward_function_is_part_of_the_key(user_file):
     assert key_for("score", ScoreConfig(), {"rollouts": rollouts}) == plain
 
 
+@pytest.mark.slow
 def test_a_function_failing_on_every_sample_fails_the_stage(user_file, tiny_inputs, ray_session, tmp_path):
     """Through the stage (Ray tasks): one failing function on every row stops it, naming the function and row."""
     from posttrain_core.artifacts import ArtifactStore
