@@ -1,9 +1,9 @@
 """deployments/prefect.yaml against a real `prefect server` and a process worker, driven by the Prefect CLI.
 
 One server, work pool and worker for the module: every deployment registers with a paused cron schedule and a
-parameter form; a wrong-type parameter is refused before a run exists; `sft/demo` runs to completion with its MLflow
-run; a run cancelled with `prefect flow-run cancel` ends Cancelled (MLflow KILLED, nothing partial published) and a
-rerun resumes its SFT stage from the in-stage checkpoint without redoing the published stages.
+parameter form; a wrong-type parameter is refused before a run exists; a `sft/demo` run cancelled with
+`prefect flow-run cancel` ends Cancelled (MLflow KILLED, nothing partial published), and a rerun resumes its SFT stage
+from the in-stage checkpoint without redoing the published stages and runs to completion with its MLflow run.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ class Server:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PWD": str(REPO),  # the pull step's working directory
+            # Each flow run is a new process that hashes posttrain_core into every stage key: an edit to the code
+            # between the cancelled run and its rerun would make the rerun rebuild everything instead of resuming.
+            "POSTTRAIN_CODE_VERSION": "test-deployment",
         }
         self.procs: list[subprocess.Popen] = []
 
@@ -178,32 +181,11 @@ def test_a_wrong_type_parameter_is_refused_naming_the_field(server):
     assert len(server.post("/flow_runs/filter", {})) == before  # refused before a run was created
 
 
-def test_deployment_run_completes_with_its_mlflow_run(server, tiny_config, tmp_path_factory):
+def test_a_run_cancelled_from_the_cli_resumes_and_completes_when_run_again(server, tiny_config, tmp_path):
     from posttrain_core.artifacts import ArtifactStore
 
-    store = ArtifactStore(tmp_path_factory.getbasetemp() / "deployment-store")
-    params = {"config": tiny_config.model_copy(update={"store": str(store.root)}).model_dump(mode="json")}
-    flow_run_id = server.run("sft/demo", params)
-
-    stages = {store.manifest(r).get("stage") for r in store.list()}
-    assert {"sft", "pretrain", "evaluate", "build_model"} <= stages
-    run = _mlflow_run(flow_run_id)
-    assert run.info.status == "FINISHED" and run.info.run_name.startswith("sft/")
-    assert run.data.tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{flow_run_id}")
-    links = server.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
-    link = next(a for a in links if a["key"] == "mlflow-run")
-    assert f"/runs/{run.info.run_id}" in link["data"]  # the Prefect UI's link to the MLflow run
-    # Every stage's result table, posted in the background after its task returned, is attached to that task run.
-    tables = {a["key"]: a for a in links if a["key"].endswith("-result")}
-    assert {"sft-result", "pretrain-result"} <= set(tables), sorted(tables)
-    assert tables["sft-result"]["task_run_id"] and "mlflow_run_id" in tables["sft-result"]["data"]
-
-
-def test_a_run_cancelled_from_the_cli_resumes_when_run_again(server, tiny_config, tmp_path_factory):
-    from posttrain_core.artifacts import ArtifactStore
-
-    store = ArtifactStore(tmp_path_factory.getbasetemp() / "deployment-store")  # the previous test's: cache hits
-    before = {r.key: store.manifest(r)["created"] for r in store.list()}
+    store = ArtifactStore(tmp_path / "deployment-store")
+    # Enough SFT steps after the first checkpoint (step 10) that the cancel lands while SFT still trains.
     long_sft = tiny_config.sft.model_copy(update={"max_steps": 400, "checkpoint_every": 10})
     config = tiny_config.model_copy(update={"store": str(store.root), "sft": long_sft})
     params = {"config": config.model_dump(mode="json")}
@@ -218,14 +200,29 @@ def test_a_run_cancelled_from_the_cli_resumes_when_run_again(server, tiny_config
         checkpoints = store.staging_root.glob("*/checkpoints/step_*.pt")
     server.cli("flow-run", "cancel", flow_run_id)
     assert server.wait_state(flow_run_id, {"CANCELLED", "COMPLETED", "FAILED", "CRASHED"}) == "CANCELLED"
-    # Nothing partial was published: the new SFT stage (and the evaluations after it) never completed.
+    # The stages before SFT were published; nothing partial was: SFT (and the evaluations after it) never completed.
     published = {r.key: store.manifest(r)["created"] for r in store.list()}
-    assert not {store.manifest(k)["stage"] for k in set(published) - set(before)} & {"sft", "evaluate"}
+    stages = {store.manifest(k)["stage"] for k in published}
+    assert {"pretrain", "build_model"} <= stages and not stages & {"sft", "evaluate"}, stages
 
     rerun = server.run("sft/demo", params)
     sft = [r for r in store.list() if r.key not in published and store.manifest(r)["stage"] == "sft"]
     assert len(sft) == 1 and store.manifest(sft[0])["resumed_from_step"] >= 10  # resumed, not restarted
     assert {k: store.manifest(k)["created"] for k in published} == published  # published stages were not redone
+    assert "evaluate" in {store.manifest(r)["stage"] for r in store.list()}
     # The cancelled run's MLflow run ended KILLED (by Prefect's termination signal, or by the rerun's orphan sweep).
     assert _mlflow_run(flow_run_id).info.status == "KILLED"
-    assert _mlflow_run(rerun).info.status == "FINISHED"
+    run = _mlflow_run(rerun)
+    assert run.info.status == "FINISHED" and run.info.run_name.startswith("sft/")
+    assert run.data.tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{rerun}")
+    links = server.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [rerun]}}})
+    link = next(a for a in links if a["key"] == "mlflow-run")
+    assert f"/runs/{run.info.run_id}" in link["data"]  # the Prefect UI's link to the MLflow run
+    # Every stage's result table, posted in the background after its task returned, is attached to that task run:
+    # SFT's in the rerun, pretraining's in the cancelled run (a cache hit in the rerun).
+    cancelled = server.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    tables = {a["key"]: a for a in links + cancelled if a["key"].endswith("-result")}
+    assert {"sft-result", "pretrain-result"} <= set(tables), sorted(tables)
+    assert tables["sft-result"]["flow_run_id"] == rerun and tables["pretrain-result"]["flow_run_id"] == flow_run_id
+    for name in ("sft-result", "pretrain-result"):
+        assert tables[name]["task_run_id"] and "mlflow_run_id" in tables[name]["data"], name
