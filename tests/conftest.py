@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -48,32 +46,6 @@ def ray_session():
     connect()
     yield
     ray.shutdown()
-
-
-@pytest.fixture
-def fail_training_after():
-    """`with fail_training_after(n):` every job a `WorkerGroup` runs in the block that has a `fail_after_step` field
-    gets it set to n: its rank 0 exits (a lost worker) after the first in-stage checkpoint at or past step n, once per
-    stage working folder (the rank leaves a `fault-injected` marker there, so a retried attempt runs through)."""
-    from posttrain_core.cluster import WorkerGroup
-
-    real_run = WorkerGroup.run
-
-    def armed(step: int):
-        def run(self, method, *args, **kwargs):
-            args = tuple(
-                dataclasses.replace(a, fail_after_step=step)
-                if dataclasses.is_dataclass(a) and "fail_after_step" in {f.name for f in dataclasses.fields(a)}
-                else a
-                for a in args
-            )
-            return real_run(self, method, *args, **kwargs)
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(WorkerGroup, "run", run)
-            yield
-
-    return contextlib.contextmanager(armed)
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Faults from outside, and a Ray cluster other than the local one.
 
 - A Ray training worker process SIGKILLed by the test mid-training: the stage's Prefect task retries, the retry
-  resumes from the last in-stage checkpoint, nothing already published is rebuilt, and the MLflow stage runs end
-  FAILED (the killed attempt) and FINISHED (the retry).
+  resumes from the last in-stage checkpoint and ends exactly where an uninterrupted run ends, nothing already
+  published is rebuilt, and the MLflow stage runs end FAILED (the killed attempt) and FINISHED (the retry).
 - `RAY_ADDRESS`: a second Ray head started by the test with `ray start --head` on loopback ports runs a stage's
   workers; the manifest records the cluster.
 (The whole-process kill is in test_rlhf_flow.py; the CLI cancel in test_deployment.py.)
@@ -74,13 +74,14 @@ def test_ray_worker_killed_mid_training_resumes_from_checkpoint(prefect_api, ray
     from posttrain_core import tracking
     from posttrain_core.artifacts import ArtifactStore
     from posttrain_core.stage import key_for
-    from posttrain_core.train.sft import checkpoint_steps
+    from posttrain_core.train.sft import checkpoint_steps, run_sft
     from tasks.train import sft
 
     core, data, base = tiny_inputs
     created = {ref.key: core.manifest(ref)["created"] for ref in (data.sft, base)}
+    # The kill comes at the first checkpoint seen (step 10): 30 more steps are margin for the poll to see it.
     cfg = SFTConfig(
-        max_steps=120, global_batch_size=16, micro_batch_size=8, max_seq_len=64, checkpoint_every=10,
+        max_steps=40, global_batch_size=16, micro_batch_size=8, max_seq_len=64, checkpoint_every=10,
         warmup_steps=2, log_every=10, seed=11,
     )  # fmt: skip
     store = ArtifactStore(tmp_path / "store")
@@ -113,8 +114,10 @@ def test_ray_worker_killed_mid_training_resumes_from_checkpoint(prefect_api, ray
         assert client.read_task_run(state.state_details.task_run_id).run_count == 2  # killed attempt + retry
     ref = state.result()
     manifest = store.manifest(ref)
-    assert killed_at <= manifest["resumed_from_step"] < cfg.max_steps  # resumed, not restarted from step 0
-    assert len(manifest["loss_history"]) == cfg.max_steps - manifest["resumed_from_step"]
+    resumed = manifest["resumed_from_step"]
+    assert killed_at <= resumed < cfg.max_steps  # resumed, not restarted from step 0
+    assert len(manifest["loss_history"]) == cfg.max_steps - resumed
+    assert not (store.staging_dir(ref.key) / "checkpoints").exists()  # staging swept after publish
     # What was published before the fault (the inputs) is read, never rebuilt; nothing partial is published.
     assert {ref.key: core.manifest(ref)["created"] for ref in (data.sft, base)} == created
     assert [r.key for r in store.list()] == [ref.key]
@@ -122,6 +125,15 @@ def test_ray_worker_killed_mid_training_resumes_from_checkpoint(prefect_api, ray
     c = tracking.client(store.root)
     runs = c.search_runs([e.experiment_id for e in c.search_experiments()], f"tags.`posttrain.key` = '{key}'")
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
+
+    # An uninterrupted run (other store, same key) reaches the same losses: data position, optimizer, scheduler
+    # and RNG state were all restored.
+    clean = ArtifactStore(tmp_path / "clean-store")
+    clean_ref = run_sft(cfg, data.sft, base, clean)
+    assert clean_ref.key == ref.key
+    assert clean.manifest(clean_ref)["loss_history"][resumed:] == pytest.approx(
+        manifest["loss_history"], rel=1e-4, abs=1e-5
+    )
 
 
 SFT_ON_CLUSTER = """
