@@ -354,47 +354,6 @@ def test_sequence_logprobs_sum_each_rows_scored_tokens():
     assert got.tolist() == pytest.approx((-ce.sum(-1)).tolist(), abs=1e-5) and got[2] == 0.0
 
 
-def test_a_mixed_adapter_pass_equals_each_adapter_alone():
-    """`posttrain serve`'s pass: rows of two LoRA adapters (the LM head adapted too) and of the base in one forward,
-    chunked head: each row's log-probs and each adapter's gradients are those of a pass of its rows alone."""
-    from posttrain_core.models import heads
-    from posttrain_core.models.lora import add_adapter
-
-    def build():
-        model = apply_lora(build_tiny_model(vocab_size=300, seed=3), LoraConfig(r=1, target_modules=["q_proj"]))
-        lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])
-        for k, name in enumerate(("a", "b")):
-            add_adapter(model, name, lora, seed=k)
-            for n, p in model.named_parameters():
-                if f".{name}." in n and "lora_B" in n:
-                    torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(k))
-        for n, p in model.named_parameters():
-            p.requires_grad_(".a." in n or ".b." in n)
-        return model.eval()
-
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(4, 300, (4, 7), generator=g)
-    attn = torch.ones_like(ids)
-    keep = torch.ones_like(ids, dtype=torch.bool)
-    labels = torch.randint(0, 300, (4, 7), generator=g)
-    names = ["a", "b", "__base__", "a"]
-    mixed = heads.TokenLogprobs(build())
-    assert mixed.rows > 28  # one chunk: the per-position adapters of the head line up across the pass
-    logp, _ = mixed(ids, attn, keep, labels[keep], adapters=names)
-    logp.sum().backward()
-    alone = heads.TokenLogprobs(build())
-    for name in ("a", "b", "__base__"):
-        rows = [i for i, n in enumerate(names) if n == name]
-        got, _ = alone(ids[rows], attn[rows], keep[rows], labels[rows][keep[rows]], adapters=[name] * len(rows))
-        assert torch.allclose(logp.view(4, 7)[rows], got.view(len(rows), 7), atol=1e-5), name
-        if name != "__base__":  # no adapter, nothing to train
-            got.sum().backward()
-    want = dict(alone.named_parameters())
-    for n, p in mixed.named_parameters():
-        if p.requires_grad:
-            assert torch.allclose(p.grad, want[n].grad, atol=1e-5), n
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_shared_prompts_give_the_full_rows_logits_and_gradients(arch, lora):

@@ -42,7 +42,7 @@ def chunk_rows(vocab_size: int) -> int:
 
 
 def chunked_logprobs(
-    head: Callable[[torch.Tensor, slice], torch.Tensor],
+    head: Callable[[torch.Tensor], torch.Tensor],
     hidden_N_H: torch.Tensor,
     labels_N: torch.Tensor,
     rows: int,
@@ -53,23 +53,18 @@ def chunked_logprobs(
     logp_N[n] = log softmax(head(hidden_N_H[n]))[labels_N[n]], 0 where labels_N < 0; entropy_N[n] is the entropy of
     that distribution. With gradients, each chunk runs under activation checkpointing: its logits are freed after
     the forward and recomputed in the backward, so neither pass holds more than one chunk's [rows x V] logits.
-
-    Args:
-        head: (hidden chunk, its slice of the N positions) -> logits chunk; the slice lets a caller pass per-position
-            arguments (the service's adapter of each position).
     """
 
-    def piece(h: torch.Tensor, y: torch.Tensor, where: slice) -> torch.Tensor:
-        logits = head(h, where).float()
+    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = head(h).float()
         logp = token_logprobs(logits[None], y[None])[0]
         return torch.stack([logp, entropy_from_logits(logits)]) if entropy else logp
 
     grad = torch.is_grad_enabled() and hidden_N_H.requires_grad
     outs = []
     for start in range(0, hidden_N_H.shape[0], rows):
-        where = slice(start, start + rows)
-        h, y = hidden_N_H[where], labels_N[where]
-        outs.append(checkpoint(piece, h, y, where, use_reentrant=False) if grad else piece(h, y, where))
+        h, y = hidden_N_H[start : start + rows], labels_N[start : start + rows]
+        outs.append(checkpoint(piece, h, y, use_reentrant=False) if grad else piece(h, y))
     if not outs:
         empty = hidden_N_H.new_zeros(0, dtype=torch.float32)
         return empty, (empty if entropy else None)
@@ -98,7 +93,6 @@ class TokenLogprobs(torch.nn.Module):
         labels: torch.Tensor,
         prefix: SharedPrefix | None = None,
         entropy: bool = False,
-        adapters: list[str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logp, entropy or None) at `select`, fp32.
 
@@ -110,26 +104,25 @@ class TokenLogprobs(torch.nn.Module):
             prefix: the rows' shared prompts (`SharedPrefix`): each runs once, and input_ids / attention_mask /
                 select are the rows' tokens after it. Plain-head models only.
             entropy: also return each selected position's entropy (with its graph).
-            adapters: a multi-adapter peft model's adapter of each row ("__base__": none), for a pass that mixes
-                several adapters' rows (`posttrain serve`).
         """
         if prefix is not None and not self.plain:
             raise ValueError(f"TokenLogprobs: a shared prefix needs a plain-head model, not {type(self.lm)}")
         if self.plain:
-            with _adapter_rows(self.lm, adapters):
-                if prefix is not None:
-                    hidden = self._after_prefix(input_ids, attention_mask, prefix)
-                else:
-                    out = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-                    hidden = out.last_hidden_state
-            picked = _pick(hidden, select)
-            head = _head(self.lm.get_output_embeddings(), adapters, select)
+            if prefix is not None:
+                hidden = self._after_prefix(input_ids, attention_mask, prefix)
+            else:
+                out = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                hidden = out.last_hidden_state
+            picked, lm_head = _pick(hidden, select), self.lm.get_output_embeddings()
+
+            def head(h: torch.Tensor) -> torch.Tensor:
+                return lm_head(h)
+
         else:
-            kw = {"adapter_names": adapters} if adapters else {}
-            logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).logits
+            logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
             picked = _pick(logits, select)
 
-            def head(h: torch.Tensor, where: slice) -> torch.Tensor:
+            def head(h: torch.Tensor) -> torch.Tensor:
                 return h  # the model's own logits
 
         flat = picked.reshape(-1, picked.shape[-1])
@@ -156,16 +149,6 @@ class TokenLogprobs(torch.nn.Module):
         return out.last_hidden_state
 
 
-def _adapter_rows(lm: torch.nn.Module, adapters: list[str] | None):
-    """peft's mixed-adapter batch for the decoder call inside the block (each row through its own adapter); the
-    block covers the forward only, so nothing in the decoder may be recomputed in the backward pass."""
-    import contextlib
-
-    if not adapters:
-        return contextlib.nullcontext()
-    return lm._enable_peft_forward_hooks(adapter_names=adapters)
-
-
 def sequence_logprobs(net: torch.nn.Module, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor, labels_B_T: torch.Tensor):
     """logp_B = sum over t >= 1 with labels[b, t] != -100 of log p(labels[b, t] | tokens < t), fp32: each row's
     scored tokens (DPO's chosen and rejected responses). `net` is a `TokenLogprobs`, possibly inside DDP."""
@@ -173,24 +156,6 @@ def sequence_logprobs(net: torch.nn.Module, ids_B_T: torch.Tensor, mask_B_T: tor
     keep_B_T[:, :-1] = labels_B_T[:, 1:] >= 0
     logp_N, _ = net(ids_B_T, mask_B_T, keep_B_T, labels_B_T[:, 1:][keep_B_T[:, :-1]])
     return logp_N.new_zeros(ids_B_T.shape[0]).index_add(0, keep_B_T.nonzero()[:, 0], logp_N)
-
-
-def _head(lm_head: torch.nn.Module, adapters: list[str] | None, select: torch.Tensor):
-    """The head as `chunked_logprobs` calls it. Its input is positions, not rows: a LoRA head of a mixed-adapter
-    pass gets each position's adapter (its row's)."""
-    if not adapters or not hasattr(lm_head, "lora_A"):  # no adapter on the head itself
-
-        def head(h: torch.Tensor, where: slice) -> torch.Tensor:
-            return lm_head(h)
-
-        return head
-    counts = select.sum(-1).tolist() if select.dtype == torch.bool else [select.shape[1]] * select.shape[0]
-    per_position = [name for name, n in zip(adapters, counts, strict=True) for _ in range(n)]
-
-    def mixed(h: torch.Tensor, where: slice) -> torch.Tensor:
-        return lm_head(h, adapter_names=per_position[where])
-
-    return mixed
 
 
 @dataclass(frozen=True)

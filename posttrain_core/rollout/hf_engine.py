@@ -242,7 +242,6 @@ def decode(
     prompts: list[list[int]],
     seeds: list[int],
     params: SamplingSettings,
-    adapters: list[str] | None = None,
 ) -> list[dict]:
     """One batch: left-padded prefill, then one token per step for every unfinished row, with a KV cache.
 
@@ -251,21 +250,13 @@ def decode(
     which other rows share its batch, beyond float rounding; see `HFEngine`).
 
     Args:
-        model: a causal LM, or a peft model holding several LoRA adapters.
+        model: a causal LM (or a peft model, with the adapter to sample from active).
         eos_ids: the tokens that end a sample ("stop", kept in the response).
-        adapters: with a multi-adapter peft model, the adapter of each row ("__base__": none); rows of different
-            adapters share the batch (peft's mixed-adapter forward).
     """
     from posttrain_core.models.heads import distinct, left_padded
 
     B = len(prompts)
-    # Rows of different adapters never share a prefill, even with the same prompt.
-    names = sorted(set(adapters)) if adapters else []
-    row_names = [names.index(a) for a in adapters] if adapters else [0] * B
-    keyed, src = distinct([[row_names[i], *p] for i, p in enumerate(prompts)])  # each sample's prefill row
-    unique = [list(k[1:]) for k in keyed]
-    prefill_kw = {"adapter_names": [names[k[0]] for k in keyed]} if adapters else {}
-    decode_kw = {"adapter_names": list(adapters)} if adapters else {}
+    unique, src = distinct(prompts)  # each sample's prefill row
     src_B = torch.tensor(src)
     ids_U_P, mask_U_P = left_padded(unique, pad_id)  # every prompt ends where generation starts
     U, P = ids_U_P.shape
@@ -289,7 +280,6 @@ def decode(
         position_ids=pos_U_P,
         use_cache=True,
         logits_to_keep=1,
-        **prefill_kw,
     )
     cache = out.cache
     if U < B:
@@ -325,7 +315,6 @@ def decode(
             position_ids=pos_B[:, None],
             cache=cache,
             use_cache=True,
-            **decode_kw,
         )
         cache = out.cache
         logits_B_V = out.logits[:, -1, :].float()

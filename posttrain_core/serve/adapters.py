@@ -1,7 +1,9 @@
 """Many LoRA adapters on one base model: at most `max_loras` resident, each with its own AdamW; the rest on disk.
 
-One peft model holds the frozen base and every resident adapter. A forward pass names each row's adapter
-(peft's mixed-adapter batch), so the work of several tenants shares one pass over the base weights. An adapter
+One peft model holds the frozen base and every resident adapter; a pass runs with one of them active (`active`). A
+pass that mixed several adapters' rows (peft's mixed-adapter batch) cost 2-9x more per token on a CPU than one
+adapter's rows alone (peft copies each adapter's rows in and out of every adapted layer, the head's [tokens x vocab]
+output included), for no saving: the base weights are read once per pass either way. An adapter
 that must make room is written to disk with its weights, optimizer state and pending gradients, in the same
 folder format as a saved checkpoint (`save` / `load`), and comes back bit-exact. Adapters are made by the library's
 LoRA helpers (`models.lora`: seeded, from a `LoraConfig`) and stepped by its optimizer (`train.loop.adamw`,
@@ -12,9 +14,11 @@ The pool is not thread-safe: the worker's single compute thread owns it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +127,25 @@ class LoraPool:
                 self._make_room(keep=set(wanted))
                 self._restore(n)
 
+    @contextlib.contextmanager
+    def active(self, name: str) -> Iterator[None]:
+        """Run the block's passes through adapter `name` (resident), or the base model alone for `BASE`."""
+        if name == BASE:
+            with self.model.disable_adapter():
+                yield
+            return
+        self.model.set_adapter(name)
+        try:
+            yield
+        finally:
+            self._trainable_flags()
+
+    def _trainable_flags(self) -> None:
+        """peft's set_adapter and add_adapter mark adapters trainable as they go: put every resident one's flag back."""
+        for name in self.resident():
+            for p in self._params(name).values():
+                p.requires_grad_(self.adapters[name].trainable)
+
     def free(self, need: int, keep: set[str], room) -> bool:
         """Evict least recently used adapters outside `keep` until `room()` (bytes) is at least `need`; whether it is."""
         while room() < need:
@@ -191,10 +214,7 @@ class LoraPool:
 
         add_adapter(self.model, name, adapter.lora, seed)
         self.model.eval()
-        # peft re-applies its own active-adapter flags to every layer it touches: set all of them again.
-        for other in self.resident():
-            for p in self._params(other).values():
-                p.requires_grad_(self.adapters[other].trainable)
+        self._trainable_flags()
         params = list(self._params(name).values())
         adapter.parameters = sum(p.numel() for p in params)
         if adapter.trainable:

@@ -1,6 +1,6 @@
-"""The work of one scheduler batch on a `LoraPool`: forward/backward of many requests (any adapters) in shared passes,
-and sampling (the project's one decode loop, `rollout.hf_engine.decode`, with each row's adapter), every pass and
-decode batch sized to the worker's memory budget (`Budget`).
+"""The work of one scheduler batch on a `LoraPool`: forward/backward of many requests and their samples, each
+adapter's rows in passes of their own (`LoraPool.active`), every pass and decode batch sized to the worker's memory
+budget (`Budget`). Sampling is the project's one decode loop, `rollout.hf_engine.decode`.
 """
 
 from __future__ import annotations
@@ -58,13 +58,17 @@ class _Row:
     tokens: list[int]
 
 
-def _rank(pool: LoraPool, adapters: list[str]) -> int:
-    return max((pool.adapters[a].lora.r for a in set(adapters) if a in pool.adapters), default=0)
+def _by_adapter(rows: list[_Row]) -> dict[str, list[_Row]]:
+    """The rows of each adapter, in order of first appearance."""
+    groups: dict[str, list[_Row]] = {}
+    for row in rows:
+        groups.setdefault(row.adapter, []).append(row)
+    return groups
 
 
-def _passes(rows: list[_Row], budget: Budget, pool: LoraPool, rank: int) -> list[list[_Row]]:
-    """The rows, shortest first, cut into passes that each fit the budget's room (evicting adapters outside the
-    batch if the longest row alone does not fit).
+def _passes(rows: list[_Row], budget: Budget, pool: LoraPool) -> list[list[_Row]]:
+    """One adapter's rows, shortest first, cut into passes that each fit the budget's room (evicting other adapters
+    if the longest row alone does not fit).
 
     Raises:
         UserError: a row that cannot fit alone.
@@ -72,12 +76,14 @@ def _passes(rows: list[_Row], budget: Budget, pool: LoraPool, rank: int) -> list
     order = sorted(rows, key=lambda r: len(r.tokens))
     if not order:
         return []
-    longest = order[-1]
-    need = pass_bytes(budget.shape, 1, len(longest.tokens), rank)
-    if not pool.free(need, {r.adapter for r in rows}, lambda: budget.room(pool)):
+    adapter = order[0].adapter
+    rank = pool.adapters[adapter].lora.r if adapter in pool.adapters else 0
+    longest = len(order[-1].tokens)
+    need = pass_bytes(budget.shape, 1, longest, rank)
+    if not pool.free(need, {adapter}, lambda: budget.room(pool)):
         raise UserError(
-            f"a datum of {len(longest.tokens)} tokens needs ~{gib(need)} of memory in one pass, and the adapters "
-            f"of this batch leave {gib(budget.room(pool))}; send it in a batch of its own"
+            f"a datum of {longest} tokens needs ~{gib(need)} of memory in one pass, and this worker's budget leaves "
+            f"{gib(budget.room(pool))}"
         )
     room = budget.room(pool)
     passes: list[list[_Row]] = [[]]
@@ -88,8 +94,8 @@ def _passes(rows: list[_Row], budget: Budget, pool: LoraPool, rank: int) -> list
     return passes
 
 
-def _logprobs(net: TokenLogprobs, rows: list[_Row], targets: list[list[int]], pad_id: int) -> list[torch.Tensor]:
-    """log p(target_t | tokens_<=t) of each row under its adapter, in one right-padded pass (grad as enabled)."""
+def _logprobs(net: TokenLogprobs, rows: list[_Row], targets: list, pad_id: int) -> list[torch.Tensor]:
+    """log p(target_t | tokens_<=t) of each row, in one right-padded pass of the active adapter (grad as enabled)."""
     longest = max(len(r.tokens) for r in rows)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
@@ -97,55 +103,60 @@ def _logprobs(net: TokenLogprobs, rows: list[_Row], targets: list[list[int]], pa
         ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
         mask[i, : len(r.tokens)] = 1
     labels = torch.cat([torch.as_tensor(t, dtype=torch.long) for t in targets])
-    logp_N, _ = net(ids, mask, mask.bool(), labels, adapters=[r.adapter for r in rows])
+    logp_N, _ = net(ids, mask, mask.bool(), labels)
     return list(logp_N.split([len(r.tokens) for r in rows]))
 
 
 def forward_backward(
     pool: LoraPool, net: TokenLogprobs, jobs: list[tuple[str, ForwardBackward]], pad_id: int, budget: Budget
 ) -> tuple[list[tuple[list[dict[str, np.ndarray]], dict[str, float]]], int]:
-    """Run every job's datums (each on its own adapter) in shared passes; gradients of the jobs that are not
+    """Run every job's datums, each adapter's in passes of their own; gradients of the jobs that are not
     `forward_only` accumulate in their adapters until `optim_step`.
 
     Returns:
         Per job: per-datum outputs (`logprobs`, float32, one per input position) and its metrics (`loss:sum`); and
         the number of passes run.
     """
-    adapters = [adapter for adapter, _ in jobs]
-    pool.ensure(adapters)
     rows = [
         _Row(j, d, adapter, datum.tokens) for j, (adapter, req) in enumerate(jobs) for d, datum in enumerate(req.data)
     ]
     outputs: list[list[dict[str, np.ndarray]]] = [[{} for _ in req.data] for _, req in jobs]
     totals = [0.0] * len(jobs)
-    passes = _passes(rows, budget, pool, _rank(pool, adapters))
-    for batch in passes:
-        targets = [jobs[r.job][1].data[r.datum].inputs["target_tokens"] for r in batch]
-        train = any(not jobs[r.job][1].forward_only for r in batch)
-        with torch.set_grad_enabled(train):
-            logps = _logprobs(net, batch, targets, pad_id)
-            trained = []
-            for j in sorted({r.job for r in batch}):  # each request's rows of this pass: its summed loss
-                mine = [k for k, r in enumerate(batch) if r.job == j]
-                req = jobs[j][1]
-                width = max(len(batch[k].tokens) for k in mine)
-                logp_B_T = torch.zeros((len(mine), width))
-                mask_B_T = torch.zeros((len(mine), width))
-                for b, k in enumerate(mine):
-                    logp_B_T[b, : len(logps[k])] = logps[k]
-                    mask_B_T[b, : len(logps[k])] = 1.0
-                datums = [req.data[batch[k].datum] for k in mine]
-                loss = request_loss(
-                    req.loss_fn, req.loss_config, logp_B_T, mask_B_T, inputs_B_T(req.loss_fn, datums, width)
-                )
-                totals[j] += float(loss.detach())
-                if not req.forward_only:
-                    trained.append(loss)
-            if trained:
-                torch.stack(trained).sum().backward()
-        for r, logp in zip(batch, logps, strict=True):
-            outputs[r.job][r.datum] = {"logprobs": logp.detach().numpy().astype(np.float32)}
-    return [(outputs[j], {"loss:sum": totals[j]}) for j in range(len(jobs))], len(passes)
+    count = 0
+    for adapter, mine in _by_adapter(rows).items():
+        pool.ensure([adapter])
+        with pool.active(adapter):
+            for batch in _passes(mine, budget, pool):
+                count += 1
+                _train(net, batch, jobs, pad_id, outputs, totals)
+    return [(outputs[j], {"loss:sum": totals[j]}) for j in range(len(jobs))], count
+
+
+def _train(net: TokenLogprobs, batch: list[_Row], jobs: list, pad_id: int, outputs: list, totals: list) -> None:
+    """One pass: each request's summed loss over its rows in it, backpropagated unless the request is forward-only."""
+    targets = [jobs[r.job][1].data[r.datum].inputs["target_tokens"] for r in batch]
+    with torch.set_grad_enabled(any(not jobs[r.job][1].forward_only for r in batch)):
+        logps = _logprobs(net, batch, targets, pad_id)
+        trained = []
+        for j in sorted({r.job for r in batch}):
+            req = jobs[j][1]
+            mine = [k for k, r in enumerate(batch) if r.job == j]
+            width = max(len(batch[k].tokens) for k in mine)
+            logp_B_T = torch.zeros((len(mine), width))
+            mask_B_T = torch.zeros((len(mine), width))
+            for b, k in enumerate(mine):
+                logp_B_T[b, : len(logps[k])] = logps[k]
+                mask_B_T[b, : len(logps[k])] = 1.0
+            datums = [req.data[batch[k].datum] for k in mine]
+            x = inputs_B_T(req.loss_fn, datums, width)
+            loss = request_loss(req.loss_fn, req.loss_config, logp_B_T, mask_B_T, x)
+            totals[j] += float(loss.detach())
+            if not req.forward_only:
+                trained.append(loss)
+        if trained:
+            torch.stack(trained).sum().backward()
+    for r, logp in zip(batch, logps, strict=True):
+        outputs[r.job][r.datum] = {"logprobs": logp.detach().numpy().astype(np.float32)}
 
 
 @dataclass
@@ -179,50 +190,52 @@ def sample(
     jobs: list[SampleJob],
     budget: Budget,
 ) -> list[dict]:
-    """Every job's n samples; jobs with the same sampling settings share decode batches whatever their adapters.
+    """Every job's n samples; jobs of one adapter with the same sampling settings share decode batches.
 
     Returns:
         Per job: {"sequences": [{"tokens", "logprobs", "stop_reason"}], "prompt_logprobs": [None, ...] or None}.
         Log-probs are the raw model distribution's (temperature 1, no top-k/top-p), as the trainer computes them.
     """
-    pool.ensure([j.adapter for j in jobs])
     results: list[dict] = [{"sequences": [], "prompt_logprobs": None} for _ in jobs]
     groups: dict[tuple, list[int]] = {}
     for i, job in enumerate(jobs):
-        groups.setdefault((job.params, job.stop_ids), []).append(i)
+        groups.setdefault((job.adapter, job.params, job.stop_ids), []).append(i)
     with torch.no_grad():
-        for (params, stop_ids), members in groups.items():
-            contexts, seeds, adapters, owners = [], [], [], []
+        for (adapter, params, stop_ids), members in groups.items():
+            contexts, seeds, owners = [], [], []
             for i in members:
                 job = jobs[i]
                 base_seed = job.seed if job.seed is not None else random.getrandbits(62)
                 for k in range(job.n):
                     contexts.append(job.prompt)
                     seeds.append(sample_seed(base_seed, "tinker", k))
-                    adapters.append(job.adapter)
                     owners.append(i)
             stops = list(stop_ids) if stop_ids is not None else eos_ids
             per_row = sample_bytes(budget.shape, 1, max(len(c) for c in contexts), params.max_tokens)
-            pool.free(per_row, set(adapters), lambda: budget.room(pool))
+            pool.ensure([adapter])
+            pool.free(per_row, {adapter}, lambda: budget.room(pool))
             size = max(1, budget.room(pool) // per_row)
-            for start in range(0, len(contexts), size):
-                part = slice(start, start + size)
-                outs = decode(pool.model, tokenizer, pad_id, stops, contexts[part], seeds[part], params,
-                              adapters=adapters[part])  # fmt: skip
-                for owner, out in zip(owners[part], outs, strict=True):
-                    results[owner]["sequences"].append(
-                        {
-                            "tokens": out["response_ids"],
-                            "logprobs": out["logprobs"],
-                            "stop_reason": out["finish_reason"],
-                        }
-                    )
+            with pool.active(adapter):
+                for start in range(0, len(contexts), size):
+                    part = slice(start, start + size)
+                    outs = decode(pool.model, tokenizer, pad_id, stops, contexts[part], seeds[part], params)
+                    for owner, out in zip(owners[part], outs, strict=True):
+                        results[owner]["sequences"].append(
+                            {
+                                "tokens": out["response_ids"],
+                                "logprobs": out["logprobs"],
+                                "stop_reason": out["finish_reason"],
+                            }
+                        )
         wanted = [i for i, job in enumerate(jobs) if job.prompt_logprobs and len(job.prompt) > 1]
         rows = [_Row(i, 0, jobs[i].adapter, jobs[i].prompt[:-1]) for i in wanted]
-        for batch in _passes(rows, budget, pool, _rank(pool, [r.adapter for r in rows])):
-            logps = _logprobs(net, batch, [jobs[r.job].prompt[1:] for r in batch], pad_id)
-            for r, logp in zip(batch, logps, strict=True):
-                results[r.job]["prompt_logprobs"] = [None, *logp.tolist()]
+        for adapter, mine in _by_adapter(rows).items():
+            pool.ensure([adapter])
+            with pool.active(adapter):
+                for batch in _passes(mine, budget, pool):
+                    logps = _logprobs(net, batch, [jobs[r.job].prompt[1:] for r in batch], pad_id)
+                    for r, logp in zip(batch, logps, strict=True):
+                        results[r.job]["prompt_logprobs"] = [None, *logp.tolist()]
         for i, job in enumerate(jobs):
             if job.prompt_logprobs and len(job.prompt) == 1:
                 results[i]["prompt_logprobs"] = [None]

@@ -6,10 +6,8 @@ an unknown or foreign id answers 404 at once (the SDK does not retry it); conten
 future with category `user`, naming the field; a bug, or state lost in a restart, fails it with category
 `server`. A tenant with `max_queued` requests unfinished gets 429, which the SDK backs off from and retries.
 
-A model worker that dies (out of memory, a crash) takes down nothing else: its requests in flight fail with category
-`server`, Serve starts a new worker, and a later request for a model or sampler that lived on the old one fails
-with category `server`, naming the model's last saved state to load. The gateway tells the new worker by its
-`incarnation`; the other base models' workers and their tenants carry on.
+A model worker that dies (out of memory, a crash) takes down nothing else: its requests fail with category `server`,
+naming what to load (`workers.Workers`), and the other base models' workers and their tenants carry on.
 """
 
 import asyncio
@@ -29,13 +27,13 @@ from posttrain_core.serve.config import ServeConfig
 from posttrain_core.serve.futures import Futures
 from posttrain_core.serve.state import Journal
 from posttrain_core.serve.wire import UserError, decode_forward_backward
+from posttrain_core.serve.workers import Workers
 
 log = logging.getLogger("ray.serve")  # Serve formats and forwards its replicas' log lines to the driver
 
 app = FastAPI(title="posttrain serve", description="tinker-compatible training and sampling of LoRA adapters")
 API = "/api/v1"
 EPHEMERAL_SAMPLERS = 2  # sampler snapshots kept per model (rl loops take a new one every batch)
-STATUS_WAIT_S = 5.0  # how long the status view waits for a worker (one busy in a long pass answers between rounds)
 
 
 @serve.deployment
@@ -53,15 +51,14 @@ class Gateway:
         from posttrain_core.artifacts import ArtifactStore
         from posttrain_core.models.loading import check_model_path
 
-        self.config, self.workers, self.keys = config, workers, keys
+        self.config, self.keys = config, keys
         self.bases = {name: {"path": path, **check_model_path(path)} for name, path in config.base_models.items()}
         self.store = ArtifactStore(config.store)
         self.base_refs = {name: checkpoints.base_ref(self.store, b["path"]) for name, b in self.bases.items()}
         self.journal = Journal(Path(config.state_dir) / "journal.sqlite")
         self.futures = Futures(self.journal, config.max_queued, config.long_poll_s)
+        self.workers = Workers(workers, self.journal)
         self.snapshots: dict[str, deque[str]] = {}
-        # adapter -> (the worker incarnation it lives in, its model or sampler id): a worker restart loses it
-        self.homes: dict[str, tuple[str, str]] = {}
         self.seen: set[tuple[str, str, str]] = set()
         log.info("gateway up: epoch %d, bases %s, store %s", self.journal.epoch, list(self.bases), self.store.root)
 
@@ -106,45 +103,6 @@ class Gateway:
         if name not in self.bases:
             raise HTTPException(404, f"base_model: {name!r} is not served here (served: {', '.join(self.bases)})")
         return name
-
-    async def _submit(self, tenant: str, base: str, kind: str, payload: dict, home: str | None = None) -> Any:
-        """Run one worker request; its result, or raise UserError / RuntimeError (category server).
-
-        `home`: the model or sampler id whose adapter (`payload["adapter"]`) this request creates or loads; the
-        adapter is then known to live in the answering worker.
-        """
-        try:
-            outcome = await self.workers[base].submit.remote(tenant, kind, payload)
-        except Exception as e:  # the worker process died with the request queued or running
-            log.error("worker of %s died during a %s request of tenant %s: %s", base, kind, tenant, e)
-            raise RuntimeError(
-                f"the model worker of {base!r} stopped while this request was queued or running (it ran out of "
-                "memory or crashed; the service starts a new one): the request did not complete, and the unsaved "
-                "steps of the models on that worker are lost; load your last saved state"
-            ) from None
-        if "error" in outcome:
-            lost = self._lost(tenant, payload, outcome["incarnation"])
-            if lost is not None:
-                raise RuntimeError(lost)
-            raise (UserError if outcome["category"] == "user" else RuntimeError)(outcome["error"])
-        if home is not None:
-            self.homes[payload["adapter"]] = (outcome["incarnation"], home)
-        return outcome["result"]
-
-    def _lost(self, tenant: str, payload: dict, incarnation: str) -> str | None:
-        """The message for a request on an adapter that a restarted worker no longer has, or None."""
-        for adapter in [payload.get("adapter"), payload.get("source")]:
-            if adapter not in self.homes or self.homes[adapter][0] == incarnation:
-                continue
-            owner = self.homes[adapter][1]
-            if ":sample:" in owner:
-                return (f"sampler {owner!r} was lost when its model worker restarted (out of memory or a crash); "
-                        "create a new sampling client")  # fmt: skip
-            saved = self.journal.last_checkpoint(owner, tenant)
-            then = (f"load its last saved state, {saved}, with create_training_client_from_state_with_optimizer"
-                    if saved else "it was never saved: create a new model")  # fmt: skip
-            return f"model {owner!r} lost its unsaved state when its model worker restarted (out of memory or a crash); {then}"
-        return None
 
     # ------------------------------------------------------------------------------------- client + session
     @app.post(API + "/client/config")
@@ -198,7 +156,7 @@ class Gateway:
         tenant = self._tenant(request)
         self._session(session_id, tenant)
         for base, adapter in self.journal.close_session(session_id, tenant):
-            await self._submit(tenant, base, "drop", {"adapters": [adapter]})
+            await self.workers.submit(tenant, base, "drop", {"adapters": [adapter]})
         log.info("tenant %s: session %s closed", tenant, session_id)
         return {"type": "session_finish"}
 
@@ -214,7 +172,7 @@ class Gateway:
         adapter = f"t{uuid.uuid4().hex[:12]}"
 
         async def work():
-            await self._submit(tenant, base, "create", {"adapter": adapter, "lora_config": lora}, home=model_id)
+            await self.workers.submit(tenant, base, "create", {"adapter": adapter, "lora_config": lora}, home=model_id)
             log.info("tenant %s: model %s on %s (rank %s)", tenant, model_id, base, lora.get("rank"))
             return {"model_id": model_id, "type": "create_model"}
 
@@ -273,7 +231,7 @@ class Gateway:
             return self.futures.start(tenant, None, "forward_backward", fail)
 
         async def run(model):
-            return await self._submit(
+            return await self.workers.submit(
                 tenant, model["base"], "forward_backward", {"adapter": model["adapter"], "request": fb}
             )
 
@@ -286,7 +244,7 @@ class Gateway:
 
         async def run(model):
             adam = body.get("adam_params") or {}
-            metrics = await self._submit(
+            metrics = await self.workers.submit(
                 tenant, model["base"], "optim_step", {"adapter": model["adapter"], "adam": adam}
             )
             return {"metrics": metrics, "type": "optim_step"}
@@ -303,7 +261,7 @@ class Gateway:
         folder = self.store.new_output_dir(key)
         with_state = kind == "weights"
         payload = {"adapter": model["adapter"], "folder": str(folder), "with_state": with_state}
-        saved = await self._submit(tenant, model["base"], "save", payload)
+        saved = await self.workers.submit(tenant, model["base"], "save", payload)
         fields = {
             "tenant": tenant,
             "session": model["session"],
@@ -358,12 +316,12 @@ class Gateway:
             sampler_id = f"{model['session']}:sample:{body.get('sampling_session_seq_id')}"
             snapshot = f"p{uuid.uuid4().hex[:12]}"
             payload = {"source": model["adapter"], "adapter": snapshot}
-            await self._submit(tenant, model["base"], "snapshot", payload, home=sampler_id)
+            await self.workers.submit(tenant, model["base"], "snapshot", payload, home=sampler_id)
             self.journal.add_sampler(sampler_id, tenant, model["base"], snapshot, None)
             kept = self.snapshots.setdefault(model_id, deque())
             kept.append(snapshot)
             if len(kept) > EPHEMERAL_SAMPLERS:
-                await self._submit(tenant, model["base"], "drop", {"adapters": [kept.popleft()]})
+                await self.workers.submit(tenant, model["base"], "drop", {"adapters": [kept.popleft()]})
             return {"sampling_session_id": sampler_id}
 
         return self._on_model(tenant, model_id, body.get("seq_id"), "save_weights_for_sampler", run)
@@ -389,9 +347,9 @@ class Gateway:
 
         async def work():
             if drop:
-                await self._submit(tenant, base, "drop", {"adapters": drop})
+                await self.workers.submit(tenant, base, "drop", {"adapters": drop})
             payload = {"adapter": adapter, "folder": folder, "with_state": with_state, "trainable": True}
-            await self._submit(tenant, base, "load", payload, home=model_id)
+            await self.workers.submit(tenant, base, "load", payload, home=model_id)
             log.info("tenant %s: model %s loaded from %s (optimizer: %s)", tenant, model_id, path, with_state)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
 
@@ -410,7 +368,7 @@ class Gateway:
             adapter = f"p{uuid.uuid4().hex[:12]}"
             payload = {"adapter": adapter, "folder": folder, "with_state": False, "trainable": False}
             try:
-                await self._submit(tenant, base, "load", payload, home=sampler_id)
+                await self.workers.submit(tenant, base, "load", payload, home=sampler_id)
             except UserError as e:
                 raise HTTPException(400, str(e)) from None
         else:
@@ -445,7 +403,7 @@ class Gateway:
             if not sampler["live"]:
                 raise LookupError(f"sampler {sampler_id!r} was lost when the service restarted; create a new one")
             job = sample_job(body, sampler["adapter"])
-            result = await self._submit(tenant, sampler["base"], "sample", {"adapter": job.adapter, "job": job})
+            result = await self.workers.submit(tenant, sampler["base"], "sample", {"adapter": job.adapter, "job": job})
             return result
 
         dedupe = f"sample:{sampler_id}:{body.get('seq_id')}"
@@ -462,12 +420,7 @@ class Gateway:
     async def status(self, request: Request):
         """Operators' view: each worker's queue, resident adapters and throughput counters; the routes served."""
         self._tenant(request)
-        workers = {}
-        for name, handle in self.workers.items():  # a worker being restarted must not hold up the others' view
-            try:
-                workers[name] = await asyncio.wait_for(handle.describe.remote(), STATUS_WAIT_S)
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                workers[name] = {"unavailable": f"{type(e).__name__}: {e}"}
+        workers = await self.workers.describe()
         routes = sorted(self.seen)
         return {
             "epoch": self.journal.epoch,

@@ -12,10 +12,10 @@ pass, and every pass is sized to fit it:
   tensors per step (`sample_bytes`).
 
 The per-token figure is an estimate on the safe side, not a measurement: on SmolLM2-135M (30 layers, hidden 576,
-intermediate 1536) a pass of a rank-8 adapter on every linear layer and the head grows the worker by 1.5 MB per padded
-token, for 269 datums of 10 tokens and for one of 2,000 alike; `token_bytes` says 2.1 MB. That holds with the
+intermediate 1536) a pass of a rank-8 adapter on every linear layer and the head grows the worker by 1.2 MB per padded
+token, for 400 datums of 10 tokens and for one of 2,000 alike; `token_bytes` says 2.1 MB. That holds with the
 worker's allocator set as `worker` sets it (large blocks returned at once): with glibc's default, the heap fragments
-and the same short-datum pass grew the process by 4 MB per token. It assumes attention through torch's
+and the same short-datum pass grew the process by 3 MB per token. It assumes attention through torch's
 scaled-dot-product kernel (no [T x T] scores kept per layer), as transformers' default `sdpa` does on CPU and GPU.
 """
 
@@ -58,8 +58,7 @@ class Shape:
 
 def token_bytes(shape: Shape, rank: int) -> int:
     """Bytes one padded token of a forward/backward pass keeps until its backward: per layer, the inputs of its
-    norms, projections and attention, the MLP's gate/up/activation outputs, and the LoRA branches of a mixed-adapter
-    pass (each adapter's rows copied into its branch) of rank `rank`."""
+    norms, projections and attention, the MLP's gate/up/activation outputs, and the LoRA branches of rank `rank`."""
     return FLOAT * shape.layers * (18 * shape.hidden + 5 * shape.intermediate + 16 * rank)
 
 

@@ -3,10 +3,10 @@
 Requests arrive on the replica's event loop (`submit`), are checked there (a bad one fails at once, category
 `user`), and wait in their tenant's FIFO queue. Each scheduling round takes one turn per tenant, round-robin: the
 head of its queue, plus the requests right behind it of the same kind that can share the pass (the chunks of one
-forward_backward, a burst of samples). The round then runs every tenant's forward_backward in shared passes over
-the base (up to `max_loras` adapters at once), every sample request in shared decode batches, and the rest
-(optim_step, saves, loads) one by one. A tenant's own requests keep their order; no tenant waits behind another's
-backlog for more than one round.
+forward_backward, a burst of samples). The round then runs each adapter's forward_backward requests together in
+passes sized to the memory budget, each adapter's samples in shared decode batches, and the rest (optim_step,
+saves, loads) one by one. A tenant's own requests keep their order; no tenant waits behind another's backlog for
+more than one round.
 """
 
 from __future__ import annotations
@@ -198,37 +198,21 @@ class ModelWorker:
                     item.loop.call_soon_threadsafe(_resolve, item.future, failed)
 
     def _work(self, picked: list[tuple[str, list[_Item]]]) -> None:
-        """One round: every tenant's forward_backward in shared passes, samples in shared batches, the rest alone."""
+        """One round: each adapter's forward_backward requests together, its samples together, the rest alone."""
         self.stats["rounds"] += 1
         started = time.perf_counter()
         fwdbwd = [i for _, items in picked for i in items if i.kind == "forward_backward"]
         samples = [i for _, items in picked for i in items if i.kind == "sample"]
         others = [i for _, items in picked for i in items if i.kind not in BATCHABLE]
-        for group in self._by_adapters(fwdbwd):
+        for group in _by_adapter(fwdbwd):
             self._execute(group, self._forward_backward)
-        for group in self._by_adapters(samples):
+        for group in _by_adapter(samples):
             self._execute(group, self._sample)
         for item in others:
             self._execute([item], lambda items: [self._single(items[0])])
         if fwdbwd or samples:
             _release_freed_memory()
         self.stats["busy_s"] += time.perf_counter() - started
-
-    def _by_adapters(self, items: list[_Item]) -> list[list[_Item]]:
-        """Split a round's batchable items into groups of at most `max_loras` distinct adapters each."""
-        groups: list[list[_Item]] = []
-        names: list[set[str]] = []
-        for item in items:
-            adapter = item.payload["adapter"]
-            for group, seen in zip(groups, names, strict=True):
-                if adapter in seen or len(seen) < self.pool.max_loras:
-                    group.append(item)
-                    seen.add(adapter)
-                    break
-            else:
-                groups.append([item])
-                names.append({adapter})
-        return groups
 
     def _execute(self, items: list[_Item], fn) -> None:
         try:
@@ -299,6 +283,14 @@ class ModelWorker:
         raise ValueError(f"unknown request kind {item.kind!r}")
 
 
+def _by_adapter(items: list[_Item]) -> list[list[_Item]]:
+    """The round's items of each adapter (a failed pass fails only its own adapter's requests)."""
+    groups: dict[str, list[_Item]] = {}
+    for item in items:
+        groups.setdefault(item.payload["adapter"], []).append(item)
+    return list(groups.values())
+
+
 def _resolve(future: asyncio.Future, result: dict) -> None:
     if not future.done():  # the caller may have gone (cancelled)
         future.set_result(result)
@@ -324,9 +316,9 @@ def _return_large_blocks() -> None:
 
     glibc serves an allocation below its mmap threshold from the heap, and raises that threshold (up to 32 MiB) each
     time a larger block is freed; a pass's many activation tensors of a few MiB then fragment the heap, which keeps
-    their peak long after the pass and beyond what the pass itself holds. Measured on SmolLM2-135M, a pass of 269
-    datums of 10 tokens grew the worker to 11.2 GB with the default and to 5.0 GB with the threshold fixed at 1 MiB,
-    at ~10% more time. The budget's per-token estimate assumes this setting.
+    their peak long after the pass and beyond what the pass itself holds. Measured on SmolLM2-135M, passes of 400
+    datums of 10 tokens grew the process to 13.2 GB with the default and to 5.8 GB with the threshold fixed at
+    1 MiB, at ~10% more time. The budget's per-token estimate assumes this setting.
     """
     m_mmap_threshold = -3  # mallopt's parameter number in glibc's malloc.h
     with contextlib.suppress(OSError, AttributeError):
