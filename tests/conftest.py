@@ -37,6 +37,14 @@ def prefect_api():
 
 
 @pytest.fixture(scope="session")
+def prefect_logging():
+    """Prefect sets up its logging on the first `from prefect import flow`, and its console handler keeps the
+    sys.stderr of that moment: do it here, outside `capsys` (whose stream is closed after the test; later flows in the
+    session would log into it and, with log_prints, recurse)."""
+    import prefect.main  # noqa: F401
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """A local Ray instance shared by the tests that launch Ray work."""
     import ray

@@ -1,5 +1,6 @@
 """The `posttrain` command: store inspection, gc (with lineage, locks, crash leftovers, Prefect cache) in
-`posttrain_core.cli`, and `run` in `flows.cli` (the console script, which hands the rest to the core's)."""
+`posttrain_core.cli`, and `run` in `flows.cli` (the console script, which hands the rest to the core's). A full
+`posttrain run` of the SFT flow is in test_sft_flow.py."""
 
 from __future__ import annotations
 
@@ -124,14 +125,6 @@ def test_sweep_removes_a_crashed_delete(gc_store, capsys):
 
 
 # ------------------------------------------------------------------------------------------ Prefect cache
-@pytest.fixture(scope="module")
-def prefect_logging():
-    """Prefect sets up its logging on the first `from prefect import flow`, and its console handler keeps the
-    sys.stderr of that moment: do it here, outside `capsys` (whose stream is closed after the test; later flows in the
-    session would log into it and, with log_prints, recurse)."""
-    import prefect.main  # noqa: F401
-
-
 def test_stage_cache_key_moves_on_after_a_delete(tmp_path):
     from tasks.common import stage_cache
 
@@ -248,18 +241,3 @@ def test_run_names_a_bad_flow_or_file(tmp_path, capsys):
     assert "cannot read" in err and "missing.yaml" in err
     err = _exit_2(["run", str(_run_file(tmp_path, "flow: [sft\n"))], capsys)
     assert "run.yaml is not valid YAML" in err
-
-
-@pytest.mark.slow
-def test_run_sft_end_to_end(prefect_api, prefect_logging, ray_session, tmp_path, capsys):
-    store = ArtifactStore(tmp_path / "store")
-    path = _run_file(tmp_path, SFT_TINY.format(store=store.root))
-    assert posttrain(["run", str(path), "--set", "eval.max_prompts=8"]) == 0
-    out = capsys.readouterr().out
-    assert "flow sft finished" in out and "MLflow run: " in out
-    model = next(line for line in out.splitlines() if line.startswith("main artifact (model): "))
-    key = model.split()[3]
-    (ref,) = [r for r in store.list("model") if r.key.startswith(key) and store.manifest(r)["stage"] == "sft"]
-    assert store.manifest(ref)["config"]["max_steps"] == 10
-    run_id = next(line.split()[-1] for line in out.splitlines() if line.startswith("MLflow run: "))
-    assert store.manifest(ref)["mlflow_run_id"] != run_id  # the stage run is nested in the flow's parent run

@@ -25,18 +25,35 @@ def _stage_runs(parent_run_id):
     return client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
-def test_sft_flow_trains_tracks_and_caches(prefect_api, ray_session, tiny_config):
+def test_sft_flow_run_from_the_cli_trains_tracks_and_caches(
+    prefect_api, prefect_logging, ray_session, tiny_config, tmp_path, capsys
+):
+    """`posttrain run FILE.yaml --set ...` runs the flow and prints its MLflow run and main artifact; the same config
+    from Python (`sft_flow`) is then all cache hits."""
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForCausalLM
 
+    from flows.cli import main as posttrain
     from flows.sft import sft_flow
+    from posttrain_core import tracking
     from posttrain_core.artifacts import ArtifactStore
 
-    result = sft_flow(tiny_config)
+    # The file says 1 SFT step; `--set` makes it the session's tiny config (40), which the Python run below reuses.
+    config = tiny_config.model_copy(update={"sft": tiny_config.sft.model_copy(update={"max_steps": 1})})
+    path = tmp_path / "run.yaml"
+    path.write_text(f"flow: sft\nconfig: {config.model_dump_json()}\n")  # YAML reads JSON
+    assert posttrain(["run", str(path), "--set", "sft.max_steps=40"]) == 0
+    out = capsys.readouterr().out
+    assert "flow sft finished" in out, out
+    key = next(line for line in out.splitlines() if line.startswith("main artifact (model): ")).split()[3]
+    run_id = next(line.split()[-1] for line in out.splitlines() if line.startswith("MLflow run: "))
     store = ArtifactStore(tiny_config.store)
+    (model_ref,) = [r for r in store.list("model") if r.key.startswith(key) and store.manifest(r)["stage"] == "sft"]
+    result = {"model": model_ref, "mlflow_run_id": run_id}
 
     # Trained: the loss drops by a clear margin; the checkpoint is a plain HF folder.
     manifest = store.manifest(result["model"])
+    assert manifest["config"]["max_steps"] == 40  # the command line's value over the file's
     assert manifest["stage"] == "sft" and manifest["kind"] == "model"
     assert manifest["metrics"]["final_loss"] < 0.7 * manifest["metrics"]["first_loss"], manifest["metrics"]
     model = AutoModelForCausalLM.from_pretrained(result["model"].uri)
@@ -54,7 +71,7 @@ def test_sft_flow_trains_tracks_and_caches(prefect_api, ray_session, tiny_config
     assert len(history) >= 4
     assert history[-1].value < history[0].value
     assert runs["sft"].data.params["config.max_steps"] == "40"
-    assert runs["sft"].info.run_id == manifest["mlflow_run_id"]
+    assert runs["sft"].info.run_id == manifest["mlflow_run_id"] != run_id  # nested in the flow's parent run
 
     # Second run: every cached stage is a Prefect cache hit, nothing is retrained or re-logged.
     started = time.time()
@@ -62,7 +79,8 @@ def test_sft_flow_trains_tracks_and_caches(prefect_api, ray_session, tiny_config
     elapsed = time.time() - started
     again = state.result()
     assert again["model"] == result["model"]
-    assert again["accuracy_after"] == result["accuracy_after"]
+    tracking.flush()  # the flow run's last records may still be queued on the tracking writer
+    assert again["accuracy_after"] == MlflowClient().get_run(run_id).data.metrics["eval/accuracy_after"]
     states = {tr.name: tr.state.name for tr in _task_runs(state.state_details.flow_run_id)}
     assert states.pop("build_model") == "Completed"  # a store lookup, deliberately not Prefect-cached
     assert set(states.values()) == {"Cached"}, states
@@ -78,7 +96,7 @@ def test_eval_flow_reports_the_latest_models_reusing_their_evaluations(prefect_a
 
     store = ArtifactStore(tiny_config.store)
     evaluations = {r.key for r in store.list() if store.manifest(r)["stage"] == "evaluate"}
-    assert evaluations, "runs after test_sft_flow_trains_tracks_and_caches (same session store)"
+    assert evaluations, "runs after test_sft_flow_run_from_the_cli_trains_tracks_and_caches (same session store)"
     config = EvalFlowConfig(
         store=tiny_config.store,
         data=tiny_config.data,
