@@ -128,3 +128,14 @@ def vllm_or_skip():
             pytest.skip(str(err))
 
     return check
+
+
+@pytest.fixture(scope="session")
+def vllm_warm(ray_session):
+    """A warm group (`cluster.WarmGroup`) for the whole session: rollout stages run with `warm=vllm_warm` share its
+    vLLM engine actor (start-up is the expensive part), which takes each stage's policy as a flow run's engines do.
+    A stage that must start its own engines runs without it."""
+    from posttrain_core.cluster import WarmGroup
+
+    with WarmGroup.owned("tests") as group:
+        yield group

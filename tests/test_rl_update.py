@@ -204,8 +204,9 @@ def test_shared_prompts_and_the_worker_count_leave_the_update_the_same(sampled):
         run_rl_update(RLConfig(**settings, micro_batch_size=8, num_workers=1), [scored], base, base, store)
     )
     full = store.manifest(
-        run_rl_update(RLConfig(**settings, micro_batch_size=6, gradient_checkpointing=True), [scored], base, base,
-                      store)  # fmt: skip
+        run_rl_update(
+            RLConfig(**settings, micro_batch_size=6, gradient_checkpointing=True), [scored], base, base, store
+        )  # fmt: skip
     )
 
     # 6 prompts x 4 samples: a mini-batch of 12 rows holds whole groups on each rank, so prompts run once per group
@@ -242,7 +243,7 @@ def test_a_policy_with_dropout_takes_its_old_log_probs_from_an_eval_mode_pass(sa
     assert metrics["logp_mismatch_mean"] < 1e-4, metrics  # a train-mode (dropout) pass would differ by far more
 
 
-def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tiny_inputs, vllm_or_skip):
+def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tiny_inputs, vllm_or_skip, vllm_warm):
     """Rollouts from the vLLM engine (its own environment, seeded T=1 sampling) feed the update; the mismatch between
     the engine's log-probs and the trainer's recomputed ones is logged and small (same weights, fp32 both sides)."""
     from posttrain_core.config import RLConfig, RolloutConfig
@@ -252,7 +253,7 @@ def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tin
     cfg = RolloutConfig(engine="vllm", n=4, max_prompts=6, max_tokens=6, num_engines=1, batch_size=8, seed=5)
     vllm_or_skip(cfg)
     store, base, _ = sampled
-    rollouts = run_rollout(cfg, tiny_inputs[1].prompts, base, store)
+    rollouts = run_rollout(cfg, tiny_inputs[1].prompts, base, store, warm=vllm_warm)
     scored = _scored_with(store, rollouts, lambda k: float(k % 2), "vllm")
     new = run_rl_update(RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8), [scored], base, base, store)
     metrics = store.manifest(new)["metrics"]

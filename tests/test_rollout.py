@@ -295,7 +295,7 @@ def test_sampled_evaluation_reports_pass_at_k_from_the_rollout_engines(ray_sessi
 
 
 @pytest.mark.slow
-def test_vllm_engine_through_the_stage(ray_session, tiny_inputs, engine, prompts_table, vllm_or_skip):
+def test_vllm_engine_through_the_stage(ray_session, tiny_inputs, engine, prompts_table, vllm_or_skip, vllm_warm):
     """engine="vllm" runs VLLMEngine in the vLLM environment through the same stage (skipped without it)."""
     from posttrain_core.data.io import read_dataset
     from posttrain_core.rollout.stage import run_rollout, sampling_settings
@@ -303,7 +303,7 @@ def test_vllm_engine_through_the_stage(ray_session, tiny_inputs, engine, prompts
     cfg = RolloutConfig(engine="vllm", n=2, temperature=0.0, max_tokens=6, num_engines=1, batch_size=4, max_prompts=4)
     vllm_or_skip(cfg)
     store, data, base = tiny_inputs
-    out = read_dataset(store.local_path(run_rollout(cfg, data.eval, base, store)), "rollouts")
+    out = read_dataset(store.local_path(run_rollout(cfg, data.eval, base, store, warm=vllm_warm)), "rollouts")
     hf = engine.generate(prompts_table.slice(0, 4), sampling_settings(cfg))
     assert out.column("response_ids").to_pylist() == hf.column("response_ids").to_pylist()  # greedy: same tokens
     assert set(out.column("policy_digest").to_pylist()) == {base.digest}
