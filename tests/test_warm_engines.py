@@ -59,7 +59,27 @@ def _dies(actor, within_s: float = 60.0) -> bool:
     return False
 
 
-def _check_pool(cfg: RolloutConfig, tiny_inputs, policy_b, tmp_path, new_policy_action: str) -> None:
+def _fresh_rows(cfg: RolloutConfig, tiny_inputs, policy_b, root) -> list[tuple]:
+    """Policy B's rows from engines started for a stage alone (released with it): what warm engines must give."""
+    from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.rollout.stage import run_rollout
+
+    store = ArtifactStore(root)
+    ref = run_rollout(cfg, tiny_inputs[1].eval, policy_b, store)
+    assert store.manifest(ref)["engine_load"] == "started"
+    return _rows(store, ref)
+
+
+HF_CFG = RolloutConfig(n=3, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_rows_b(ray_session, tiny_inputs, policy_b, tmp_path_factory) -> list[tuple]:
+    """`_fresh_rows` with HF_CFG, which both hf pool tests compare with."""
+    return _fresh_rows(HF_CFG, tiny_inputs, policy_b, tmp_path_factory.mktemp("cold"))
+
+
+def _check_pool(cfg: RolloutConfig, tiny_inputs, policy_b, tmp_path, new_policy_action: str, fresh_b) -> None:
     import ray
 
     from posttrain_core.artifacts import ArtifactStore
@@ -67,7 +87,7 @@ def _check_pool(cfg: RolloutConfig, tiny_inputs, policy_b, tmp_path, new_policy_
     from posttrain_core.rollout.stage import run_rollout
 
     _, data, base = tiny_inputs
-    warm, cold = ArtifactStore(tmp_path / "warm"), ArtifactStore(tmp_path / "cold")
+    warm = ArtifactStore(tmp_path / "warm")
     with WarmGroup.owned("test") as group:
         a = run_rollout(cfg, data.eval, base, warm, warm=group)
         actors, handles = _engines(group), group.members("engines")
@@ -81,9 +101,7 @@ def _check_pool(cfg: RolloutConfig, tiny_inputs, policy_b, tmp_path, new_policy_
         assert {r[3] for r in rows_a} == {base.digest} and {r[3] for r in rows_b} == {policy_b.digest}
         assert [r[2] for r in rows_a] != [r[2] for r in rows_b]  # the new weights are in use
         # The rows equal those of engines started for a stage alone (released with it) from policy B.
-        fresh = run_rollout(cfg, data.eval, policy_b, cold)
-        assert cold.manifest(fresh)["engine_load"] == "started"
-        assert _rows(cold, fresh) == rows_b
+        assert fresh_b == rows_b
 
         # A dead engine actor (killed between stages) is replaced; the next stage still gets base's rows.
         ray.kill(handles[0], no_restart=True)
@@ -95,15 +113,16 @@ def _check_pool(cfg: RolloutConfig, tiny_inputs, policy_b, tmp_path, new_policy_
     assert all(_dies(h) for h in handles)
 
 
-def test_hf_pool_reloads_each_policy_in_the_same_actors(ray_session, tiny_inputs, policy_b, tmp_path):
-    cfg = RolloutConfig(n=3, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=3)
-    _check_pool(cfg, tiny_inputs, policy_b, tmp_path, "reloaded")
+def test_hf_pool_reloads_each_policy_in_the_same_actors(ray_session, tiny_inputs, policy_b, hf_rows_b, tmp_path):
+    _check_pool(HF_CFG, tiny_inputs, policy_b, tmp_path, "reloaded", hf_rows_b)
 
 
 def test_vllm_pool_updates_weights_in_place(ray_session, tiny_inputs, policy_b, tmp_path, vllm_or_skip):
     cfg = RolloutConfig(engine="vllm", n=2, max_tokens=6, num_engines=1, batch_size=8, max_prompts=6, seed=3)
     vllm_or_skip(cfg)
-    _check_pool(cfg, tiny_inputs, policy_b, tmp_path, "updated")
+    _check_pool(
+        cfg, tiny_inputs, policy_b, tmp_path, "updated", _fresh_rows(cfg, tiny_inputs, policy_b, tmp_path / "cold")
+    )
 
 
 def test_rows_of_another_policy_are_never_published(tiny_inputs):
@@ -116,7 +135,9 @@ def test_rows_of_another_policy_are_never_published(tiny_inputs):
         _check_policy(table, base, "rollout")
 
 
-def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(ray_session, tiny_inputs, policy_b, tmp_path):
+def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(
+    ray_session, tiny_inputs, policy_b, hf_rows_b, tmp_path
+):
     """An RL update hands the next policy's weights to the pool before publishing it (`prefetch_rollout`): the
     rollout stage of that policy takes the prefetched rows, which equal fresh engines' rows; a prefetch of another
     key, or of weights that do not fit the model, is never used, and the stage's rows are still right."""
@@ -128,9 +149,7 @@ def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(ray_session, ti
     from posttrain_core.rollout.stage import prefetch_rollout, run_rollout
 
     _, data, base = tiny_inputs
-    cfg = RolloutConfig(n=3, max_tokens=6, num_engines=2, batch_size=4, max_prompts=10, seed=3)
-    fresh = ArtifactStore(tmp_path / "cold")
-    expected = _rows(fresh, run_rollout(cfg, data.eval, policy_b, fresh))
+    cfg, expected = HF_CFG, hf_rows_b
     weights_b = {k: v.numpy() for k, v in load_causal_lm(policy_b.uri).state_dict().items()}
     with WarmGroup.owned("test") as group:
         store = ArtifactStore(tmp_path / "warm")
