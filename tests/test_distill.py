@@ -1,0 +1,118 @@
+"""Distillation maths on hand-enumerated vocabularies: the divergences' directions and limits, top-k with its tail
+bucket, the single-sample estimators' expected gradients, the on-policy advantage, and convergence of both forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from posttrain_core.algorithms.distill import (
+    DIVERGENCES,
+    DistillInputs,
+    kl,
+    opd_advantages,
+    with_tail,
+)
+
+S = torch.tensor([0.1, 0.2, 0.3, 0.4])
+T = torch.tensor([0.5, 0.25, 0.15, 0.1])
+
+
+def _full(s: torch.Tensor, t: torch.Tensor, beta: float = 0.5) -> DistillInputs:
+    """Inputs whose top-k is the whole vocabulary (k = V)."""
+    return DistillInputs(s.log()[None], t.log()[None], s.log()[None, None], t.log()[None, None], beta)
+
+
+def _hand_kl(a, b) -> float:
+    return sum(x * math.log(x / y) for x, y in zip(a.tolist(), b.tolist(), strict=True))
+
+
+def test_jsd_endpoints_are_the_two_kls_and_its_middle_is_symmetric():
+    jsd = DIVERGENCES["jsd"]
+    assert jsd(_full(S, T, 0.0)).item() == pytest.approx(_hand_kl(T, S), abs=1e-6)  # forward: KL(T || S)
+    assert jsd(_full(S, T, 1.0)).item() == pytest.approx(_hand_kl(S, T), abs=1e-6)  # reverse: KL(S || T)
+    assert jsd(_full(S, T, 0.5)).item() == pytest.approx(jsd(_full(T, S, 0.5)).item(), abs=1e-7)
+    # Near the ends JSD_beta ~ beta KL(T || S) and ~ (1 - beta) KL(S || T): catches a swapped direction.
+    assert jsd(_full(S, T, 1e-4)).item() / 1e-4 == pytest.approx(_hand_kl(T, S), rel=1e-3)
+    assert jsd(_full(S, T, 1 - 1e-4)).item() / 1e-4 == pytest.approx(_hand_kl(S, T), rel=1e-3)
+    assert _hand_kl(T, S) != pytest.approx(_hand_kl(S, T), abs=1e-3)  # the two directions differ here
+    assert DIVERGENCES["forward_kl"](_full(S, T)).item() == pytest.approx(_hand_kl(T, S), abs=1e-6)
+    assert DIVERGENCES["reverse_kl"](_full(S, T)).item() == pytest.approx(_hand_kl(S, T), abs=1e-6)
+
+
+def test_top_k_with_its_tail_is_the_full_divergence_at_k_v_and_never_negative():
+    g = torch.Generator().manual_seed(0)
+    s_logits, t_logits = torch.randn(64, 6, 50, generator=g), torch.randn(64, 6, 50, generator=g) * 2
+    s, t = s_logits.log_softmax(-1), t_logits.log_softmax(-1)
+    full = DistillInputs(s[..., 0], t[..., 0], s, t)  # k = V: every token is a bucket, the tails are empty
+    torch.testing.assert_close(DIVERGENCES["forward_kl"](full), kl(t, s), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(DIVERGENCES["reverse_kl"](full), kl(s, t), atol=1e-5, rtol=1e-5)
+    for k in (1, 4, 16):
+        ids = t.topk(k, dim=-1).indices  # the teacher's top-k; the student's log-probs gathered there
+        topk = DistillInputs(s[..., 0], t[..., 0], s.gather(-1, ids), t.gather(-1, ids), beta=0.3)
+        for name in ("forward_kl", "reverse_kl", "jsd"):
+            assert DIVERGENCES[name](topk).min().item() >= -1e-6, (name, k)
+    # Why the tail bucket: where the student has more mass than the teacher on the top-k, the truncated sum is
+    # negative (teacher 0.4 on its top token, student 0.9 there).
+    s1, t1 = torch.tensor([[math.log(0.9)]]), torch.tensor([[math.log(0.4)]])
+    assert (t1.exp() * (t1 - s1)).item() < 0 and DIVERGENCES["forward_kl"](
+        DistillInputs(s1, t1, s1[..., None], t1[..., None])
+    ).item() > 0
+    assert with_tail(torch.tensor([math.log(0.5), math.log(0.25)])).exp().tolist() == pytest.approx([0.5, 0.25, 0.25])
+
+
+@pytest.mark.parametrize(("name", "target"), [("k1", None), ("k2", "reverse"), ("k3", "forward")])
+def test_the_estimators_expected_gradients_enumerated_on_a_vocabulary_of_8(name, target):
+    """E_{y ~ S}[grad k(y)], summed exactly over the 8 tokens: 0 for k1, grad KL(S || T) for k2, grad KL(T || S)
+    for k3 (gradients with respect to the student's logits)."""
+    g = torch.Generator().manual_seed(1)
+    theta = torch.randn(8, generator=g, dtype=torch.float64).requires_grad_()
+    teacher = torch.randn(8, generator=g, dtype=torch.float64).log_softmax(-1)
+    logp = theta.log_softmax(-1)
+    per_token = DIVERGENCES[name](DistillInputs(logp, teacher))
+    (expected,) = torch.autograd.grad((logp.exp().detach() * per_token).sum(), theta)
+    if target is None:
+        torch.testing.assert_close(expected, torch.zeros(8, dtype=torch.float64), atol=1e-12, rtol=0)
+        return
+    logp = theta.log_softmax(-1)
+    divergence = kl(logp, teacher) if target == "reverse" else kl(teacher, logp)
+    (want,) = torch.autograd.grad(divergence, theta)
+    torch.testing.assert_close(expected, want, atol=1e-10, rtol=1e-8)
+    assert want.abs().max() > 1e-3  # not trivially 0
+
+
+def test_opd_advantages_sum_discounted_rewards_on_policy_tokens_only():
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -1.0]])
+    teacher = torch.tensor([[-0.5, -2.5, -9.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # position 2: a tool turn's token
+    r = [2 * 0.5, -2 * 0.5, 0.0, 0.0]  # -coef (logp - teacher), coef 2, masked out at 2
+    assert opd_advantages(logp, teacher, mask, coef=2.0).tolist() == [pytest.approx(r)]
+    discounted = opd_advantages(logp, teacher, mask, coef=2.0, discount=0.5)
+    assert discounted.tolist() == [pytest.approx([r[0] + 0.5 * r[1], r[1], 0.0, 0.0])]
+    task = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    assert opd_advantages(logp, teacher, mask, 2.0, 0.0, task, 0.5).tolist() == [pytest.approx([1.5, -0.5, 0.0, 0.5])]
+    same = opd_advantages(logp, logp.clone(), mask)
+    assert same.abs().max().item() == 0.0  # a teacher equal to the student: no signal at all
+
+
+@pytest.mark.parametrize("form", ["on_policy", "jsd"])
+def test_both_forms_converge_on_a_free_logits_table(form):
+    """A student that is a free table of 8 logits reaches KL(S || T) < 1e-3: by the policy gradient with the
+    on-policy advantage (its expectation over the 8 tokens, no sampling noise), or by the JSD backpropagated."""
+    g = torch.Generator().manual_seed(2)
+    teacher = (2 * torch.randn(8, generator=g)).log_softmax(-1)
+    theta = torch.zeros(8, requires_grad=True)
+    opt = torch.optim.Adam([theta], lr=0.05)
+    for _ in range(600):
+        logp = theta.log_softmax(-1)
+        if form == "on_policy":
+            adv = opd_advantages(logp.detach()[None], teacher[None], torch.ones(1, 8))[0]
+            loss = -(logp.exp().detach() * adv * logp).sum()  # E_{y ~ S}[-A(y) log S(y)]
+        else:
+            loss = DIVERGENCES["jsd"](DistillInputs(logp, teacher, logp[None], teacher[None], beta=0.5)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert kl(theta.log_softmax(-1), teacher).item() < 1e-3
