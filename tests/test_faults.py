@@ -79,9 +79,9 @@ def test_ray_worker_killed_mid_training_resumes_from_checkpoint(prefect_api, ray
 
     core, data, base = tiny_inputs
     created = {ref.key: core.manifest(ref)["created"] for ref in (data.sft, base)}
-    # The kill comes at the first checkpoint seen (step 10): 30 more steps are margin for the poll to see it.
+    # A step takes ~0.03 s: the steps after the first checkpoint (step 10) give the poll below ~3 s to see it.
     cfg = SFTConfig(
-        max_steps=40, global_batch_size=16, micro_batch_size=8, max_seq_len=64, checkpoint_every=10,
+        max_steps=120, global_batch_size=16, micro_batch_size=8, max_seq_len=64, checkpoint_every=10,
         warmup_steps=2, log_every=10, seed=11,
     )  # fmt: skip
     store = ArtifactStore(tmp_path / "store")
