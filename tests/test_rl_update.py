@@ -206,7 +206,7 @@ def test_shared_prompts_and_the_worker_count_leave_the_update_the_same(sampled):
     full = store.manifest(
         run_rl_update(
             RLConfig(**settings, micro_batch_size=6, gradient_checkpointing=True), [scored], base, base, store
-        )  # fmt: skip
+        )
     )
 
     # 6 prompts x 4 samples: a mini-batch of 12 rows holds whole groups on each rank, so prompts run once per group
