@@ -131,8 +131,13 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, ray_session):
+    import ray
+
     srv = Server(tmp_path_factory.mktemp("prefect-server"))
+    # The flow runs join this session's Ray cluster (flow processes on a shared cluster): no local Ray to start in
+    # each run's process, nor to stop when the run is cancelled.
+    srv.env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     try:
         proc = srv.spawn("server", "server", "start", "--host", "127.0.0.1", "--port", str(srv.port))
         _wait_healthy(f"{srv.api}/health", proc)
