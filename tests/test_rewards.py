@@ -154,8 +154,9 @@ def _register_rollouts(store, table: pa.Table, folder):
     return store.register_external(folder, kind="dataset", schema_kind="rollouts")
 
 
+@pytest.mark.slow
 def test_run_score_counts_parse_failures(store, tmp_path):
-    """No reward model: the stage runs in the driver and starts no Ray."""
+    """The stage without a reward model (its verifiers run on Ray tasks)."""
     from posttrain_core.data.io import read_dataset
     from posttrain_core.rewards.score import run_score
 
