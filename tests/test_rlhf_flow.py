@@ -72,10 +72,13 @@ def _stage_count(store, stage: str) -> int:
     return sum(1 for ref in store.list() if store.manifest(ref).get("stage") == stage)
 
 
-def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session, tmp_path):
+def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session, tmp_path, monkeypatch):
     from flows.rlhf import rlhf_flow
     from posttrain_core.artifacts import ArtifactStore
 
+    # The killed run's process hashes posttrain_core into every stage key when it starts, this one did at its first
+    # key: an edit to the code in between (during a long session) would make every stage of the rerun new.
+    monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "test-rlhf-kill")
     cfg = _config(tmp_path / "store")
     store = ArtifactStore(cfg.store)
 
