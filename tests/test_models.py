@@ -298,7 +298,8 @@ def test_import_is_light():
 @pytest.mark.parametrize("lora", [False, True])
 def test_token_logprobs_equal_the_full_forward_and_its_gradients(arch, lora, monkeypatch):
     """The LM head on selected positions only, a few positions per chunk (recomputed in the backward pass), gives
-    the full forward's log-probs and entropies there, and the same gradients."""
+    the full forward's log-probs, entropies, log-probs of given tokens and top-k tokens there, and the same
+    gradients."""
     from posttrain_core.algorithms.losses import entropy_from_logits, token_logprobs
     from posttrain_core.models import heads
 
@@ -321,15 +322,21 @@ def test_token_logprobs_equal_the_full_forward_and_its_gradients(arch, lora, mon
     assert net.plain and net.rows == 2  # llama / qwen2 (and LoRA around them) take the hidden-state path
     full = full_model(input_ids=ids, attention_mask=attn).logits
     want = token_logprobs(full[keep][None], labels[keep][None])[0]
-    logp, entropy = net(ids, attn, keep, labels[keep], entropy=True)
+    some = torch.randint(0, 300, (int(keep.sum()), 4), generator=g)  # 4 given tokens per position
+    scores = net(ids, attn, keep, labels[keep], entropy=True, gather=some, topk=3)
+    logp, entropy, gathered = scores.logp, scores.entropy, scores.gathered
     assert torch.allclose(logp, want, atol=1e-5) and logp[0] == 0.0
     assert torch.allclose(entropy, entropy_from_logits(full[keep]), atol=1e-5)
-    picked, _ = net(ids, attn, pos, labels[:, :3])
+    all_logp = full[keep].log_softmax(-1)
+    assert torch.allclose(gathered, all_logp.gather(-1, some), atol=1e-5)
+    best = all_logp.topk(3, dim=-1)
+    assert torch.equal(scores.topk_ids, best.indices) and torch.allclose(scores.topk_logp, best.values, atol=1e-5)
+    picked = net(ids, attn, pos, labels[:, :3]).logp
     assert picked.shape == (3, 3) and torch.allclose(picked[1, 1], token_logprobs(full[1:2, 5:6], labels[1:2, 1:2]))
 
     weights = torch.arange(1.0, 1 + keep.sum())  # a loss that weighs every position differently
-    ((want * weights).sum() + entropy_from_logits(full[keep]).sum()).backward()
-    ((logp * weights).sum() + entropy.sum()).backward()
+    ((want * weights).sum() + entropy_from_logits(full[keep]).sum() + all_logp.gather(-1, some).sum()).backward()
+    ((logp * weights).sum() + entropy.sum() + gathered.sum()).backward()
     grads = {n: p.grad for n, p in full_model.named_parameters() if p.requires_grad}
     for name, p in net.lm.named_parameters():
         if p.requires_grad:
@@ -383,8 +390,8 @@ def test_shared_prompts_give_the_full_rows_logits_and_gradients(arch, lora):
     assert encode_shared(batch, [0, 1, 3], 0) is None  # no prompt repeats: nothing to share
 
     full_net, shared_net = TokenLogprobs(build()), TokenLogprobs(build())
-    full, full_entropy = response_logprobs(full_net, ids, attn, pos, labels, entropy=True)
-    got, entropy = response_logprobs(shared_net, ids, attn, pos, labels, shared, entropy=True)
+    full, full_entropy = response_logprobs(full_net, ids, attn, pos, labels, entropy=True)[:2]
+    got, entropy = response_logprobs(shared_net, ids, attn, pos, labels, shared, entropy=True)[:2]
     assert got.shape == full.shape == (7, 5)
     real = mask.bool()
     assert torch.allclose(got[real], full[real], atol=1e-5)

@@ -95,7 +95,7 @@ def test_the_saved_adapter_loaded_with_peft_gives_the_trainers_log_probs(real_ru
     # The same computation on the two loaders' models: bit for bit the same weights.
     assert all(torch.equal(a, b) for a, b in zip(theirs, one_row_at_a_time(trainer), strict=True))
     with torch.no_grad():
-        ours, _ = response_logprobs(trainer.eval(), ids, attn, pos, labels)
+        ours = response_logprobs(trainer.eval(), ids, attn, pos, labels).logp
     # The trainer's batched path: a right-padded batch and a chunked head on the response positions sum in another
     # order than one unpadded full forward; on this 30-layer model that alone moves fp32 log-probs by up to ~3e-5.
     gaps = [(t - ours[b, : len(t)]).abs().max().item() for b, t in enumerate(theirs)]

@@ -63,7 +63,7 @@ def _sequence_logprobs(model_path: str, store, rollouts) -> list[float]:
     model = load_causal_lm(model_path).eval()
     ids, attn, pos, labels, mask = encode(batch, list(range(len(rows))), 0)
     with torch.no_grad():
-        logp, _ = response_logprobs(model, ids, attn, pos, labels)
+        logp = response_logprobs(model, ids, attn, pos, labels).logp
     return (logp * mask).sum(-1).tolist()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -41,35 +42,68 @@ def chunk_rows(vocab_size: int) -> int:
     return max(1, LOGIT_CHUNK_BYTES // (4 * vocab_size))
 
 
+class Scores(NamedTuple):
+    """What the head gives at each selected position (fp32): the label's log-prob, and on request the entropy, the
+    log-probs of given tokens (`gather`), and the `topk` most likely tokens with their log-probs."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logp: torch.Tensor | None = None
+
+
 def chunked_logprobs(
     head: Callable[[torch.Tensor], torch.Tensor],
     hidden_N_H: torch.Tensor,
     labels_N: torch.Tensor,
     rows: int,
     entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp_N, entropy_N or None) of `labels_N` under logits = head(hidden), `rows` positions at a time, in fp32.
+    gather_N_K: torch.Tensor | None = None,
+    topk: int = 0,
+) -> Scores:
+    """The `Scores` of `labels_N` under logits = head(hidden), `rows` positions at a time, in fp32.
 
     logp_N[n] = log softmax(head(hidden_N_H[n]))[labels_N[n]], 0 where labels_N < 0; entropy_N[n] is the entropy of
-    that distribution. With gradients, each chunk runs under activation checkpointing: its logits are freed after
-    the forward and recomputed in the backward, so neither pass holds more than one chunk's [rows x V] logits.
+    that distribution; gathered_N_K[n, j] its log-prob of token gather_N_K[n, j]; topk_ids_N_K / topk_logp_N_K its
+    `topk` most likely tokens (no gradient). With gradients, each chunk runs under activation checkpointing: its
+    logits are freed after the forward and recomputed in the backward, so neither pass holds more than one chunk's
+    [rows x V] logits.
     """
+    K = gather_N_K.shape[-1] if gather_N_K is not None else 0
 
-    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def piece(h: torch.Tensor, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         logits = head(h).float()
-        logp = token_logprobs(logits[None], y[None])[0]
-        return torch.stack([logp, entropy_from_logits(logits)]) if entropy else logp
+        columns = [token_logprobs(logits[None], y[None])[0][:, None]]
+        if entropy:
+            columns.append(entropy_from_logits(logits)[:, None])
+        if K or topk:
+            logp_V = logits.log_softmax(-1)
+            if K:
+                columns.append(logp_V.gather(-1, ids))
+            if topk:
+                best = logp_V.detach().topk(topk, dim=-1)
+                columns += [best.values, best.indices.float()]  # ids below 2^24: exact in fp32
+        return torch.cat(columns, dim=-1)
 
     grad = torch.is_grad_enabled() and hidden_N_H.requires_grad
+    ids_N_K = gather_N_K if gather_N_K is not None else labels_N.new_zeros(labels_N.shape[0], 0)
     outs = []
     for start in range(0, hidden_N_H.shape[0], rows):
-        h, y = hidden_N_H[start : start + rows], labels_N[start : start + rows]
-        outs.append(checkpoint(piece, h, y, use_reentrant=False) if grad else piece(h, y))
-    if not outs:
-        empty = hidden_N_H.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if entropy else None)
-    out = torch.cat(outs, dim=-1)
-    return (out[0], out[1]) if entropy else (out, None)
+        part = slice(start, start + rows)
+        h, y, ids = hidden_N_H[part], labels_N[part], ids_N_K[part]
+        outs.append(checkpoint(piece, h, y, ids, use_reentrant=False) if grad else piece(h, y, ids))
+    width = 1 + int(entropy) + K + 2 * topk
+    out = torch.cat(outs) if outs else hidden_N_H.new_zeros((0, width), dtype=torch.float32)
+    at = iter(torch.split(out, [1, int(entropy), K, topk, topk], dim=-1))
+    logp, ent, gathered, top_logp, top_ids = (next(at) for _ in range(5))
+    return Scores(
+        logp=logp[:, 0],
+        entropy=ent[:, 0] if entropy else None,
+        gathered=gathered if K else None,
+        topk_ids=top_ids.long() if topk else None,
+        topk_logp=top_logp if topk else None,
+    )
 
 
 class TokenLogprobs(torch.nn.Module):
@@ -93,8 +127,10 @@ class TokenLogprobs(torch.nn.Module):
         labels: torch.Tensor,
         prefix: SharedPrefix | None = None,
         entropy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logp, entropy or None) at `select`, fp32.
+        gather: torch.Tensor | None = None,
+        topk: int = 0,
+    ) -> Scores:
+        """The `Scores` at `select`, shaped as `labels` (with a last axis of K for `gather` and `topk`).
 
         Args:
             input_ids, attention_mask: B x L.
@@ -103,7 +139,9 @@ class TokenLogprobs(torch.nn.Module):
             labels: the token each selected position predicts (< 0: none, log-prob 0).
             prefix: the rows' shared prompts (`SharedPrefix`): each runs once, and input_ids / attention_mask /
                 select are the rows' tokens after it. Plain-head models only.
-            entropy: also return each selected position's entropy (with its graph).
+            entropy: also each selected position's entropy (with its graph).
+            gather: token ids, labels' shape x K: also their log-probs at each position (with their graph).
+            topk: also the `topk` most likely tokens at each position and their log-probs (no graph).
         """
         if prefix is not None and not self.plain:
             raise ValueError(f"TokenLogprobs: a shared prefix needs a plain-head model, not {type(self.lm)}")
@@ -126,9 +164,10 @@ class TokenLogprobs(torch.nn.Module):
                 return h  # the model's own logits
 
         flat = picked.reshape(-1, picked.shape[-1])
-        logp, ent = chunked_logprobs(head, flat, labels.reshape(-1), self.rows, entropy)
+        ids = gather.reshape(flat.shape[0], -1) if gather is not None else None
+        scores = chunked_logprobs(head, flat, labels.reshape(-1), self.rows, entropy, ids, topk)
         shape = labels.shape
-        return logp.reshape(shape), (ent.reshape(shape) if ent is not None else None)
+        return Scores(*(x.reshape(*shape, *x.shape[1:]) if x is not None else None for x in scores))
 
     def _after_prefix(self, ids_B_T: torch.Tensor, mask_B_T: torch.Tensor, prefix: SharedPrefix) -> torch.Tensor:
         """Final hidden states of the rows' own tokens, attending to their prompt's cached keys and values."""
@@ -154,7 +193,7 @@ def sequence_logprobs(net: torch.nn.Module, ids_B_T: torch.Tensor, mask_B_T: tor
     scored tokens (DPO's chosen and rejected responses). `net` is a `TokenLogprobs`, possibly inside DDP."""
     keep_B_T = torch.zeros_like(labels_B_T, dtype=torch.bool)  # position t predicts token t + 1
     keep_B_T[:, :-1] = labels_B_T[:, 1:] >= 0
-    logp_N, _ = net(ids_B_T, mask_B_T, keep_B_T, labels_B_T[:, 1:][keep_B_T[:, :-1]])
+    logp_N = net(ids_B_T, mask_B_T, keep_B_T, labels_B_T[:, 1:][keep_B_T[:, :-1]]).logp
     return logp_N.new_zeros(ids_B_T.shape[0]).index_add(0, keep_B_T.nonzero()[:, 0], logp_N)
 
 

@@ -103,7 +103,7 @@ def _logprobs(net: TokenLogprobs, rows: list[_Row], targets: list, pad_id: int) 
         ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
         mask[i, : len(r.tokens)] = 1
     labels = torch.cat([torch.as_tensor(t, dtype=torch.long) for t in targets])
-    logp_N, _ = net(ids, mask, mask.bool(), labels)
+    logp_N = net(ids, mask, mask.bool(), labels).logp
     return list(logp_N.split([len(r.tokens) for r in rows]))
 
 

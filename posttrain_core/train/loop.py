@@ -243,7 +243,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
             keep = torch.zeros_like(labels, dtype=torch.bool)  # position t predicts token t + 1
             keep[:, :-1] = labels[:, 1:] != IGNORE
             with contextlib.nullcontext() if sync else ddp.no_sync(), autocast:
-                logp, _ = ddp(ids, mask, keep, labels[:, 1:][keep[:, :-1]])
+                logp = ddp(ids, mask, keep, labels[:, 1:][keep[:, :-1]]).logp
                 ce = -logp.sum()
                 # DDP averages gradients over ranks, so scale by world to get sum / global token count.
                 (ce * world / n_tok.item()).backward()

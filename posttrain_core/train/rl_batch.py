@@ -19,6 +19,7 @@ from posttrain_core.train.loop import IGNORE
 
 if TYPE_CHECKING:
     from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+    from posttrain_core.models.heads import Scores
 
 
 @dataclass(frozen=True)
@@ -343,8 +344,11 @@ def encode_shared(batch: RLBatch, rows: list[int], pad_id: int):
     return ids_B_T, attn_B_T, select_B_R, SharedPrefix(ids_U_P, mask_U_P, torch.tensor(rows_B), positions_B_T)
 
 
-def response_logprobs(model: Any, ids, attn, pos, labels, shared=None, entropy: bool = False):
-    """(logp_B_R, entropy_B_R or None), fp32, of the response tokens `labels`: the LM head runs on those positions
+def response_logprobs(
+    model: Any, ids, attn, pos, labels, shared=None, entropy: bool = False, gather=None, topk: int = 0
+) -> Scores:
+    """The `Scores` (fp32, B x R) of the response tokens `labels`: their log-probs, and as asked their entropies, the
+    log-probs of the tokens `gather` (B x R x K) and the `topk` most likely tokens. The LM head runs on those positions
     only, a chunk at a time (`TokenLogprobs`).
 
     `model` is a causal LM, or a `TokenLogprobs` (possibly inside DDP) around one. `shared` (from `encode_shared`):
@@ -358,8 +362,8 @@ def response_logprobs(model: Any, ids, attn, pos, labels, shared=None, entropy: 
     net = model if wrapped else TokenLogprobs(model)
     if shared is not None:
         ids_B_T, attn_B_T, select_B_R, prefix = shared
-        return net(ids_B_T, attn_B_T, select_B_R, labels, prefix, entropy=entropy)
-    return net(ids, attn, pos, labels, entropy=entropy)
+        return net(ids_B_T, attn_B_T, select_B_R, labels, prefix, entropy=entropy, gather=gather, topk=topk)
+    return net(ids, attn, pos, labels, entropy=entropy, gather=gather, topk=topk)
 
 
 def chunks(rows: list[int], size: int) -> list[list[int]]:

@@ -185,7 +185,7 @@ class RLWorker:
         import torch
 
         with torch.no_grad():
-            return response_logprobs(self.policy.eval(), ids, attn, pos, labels, shared)[0]
+            return response_logprobs(self.policy.eval(), ids, attn, pos, labels, shared).logp
 
     def _reference_logp(self, ids, attn, pos, labels, shared=None):
         """Reference log-probs of one encoded chunk, without gradients: the frozen reference model, or for LoRA the
@@ -197,9 +197,9 @@ class RLWorker:
         with torch.no_grad():
             if self.lora:
                 with self.policy.disable_adapter():
-                    return response_logprobs(self.policy, ids, attn, pos, labels, shared)[0]
+                    return response_logprobs(self.policy, ids, attn, pos, labels, shared).logp
             if self.reference is not None:
-                return response_logprobs(self.reference, ids, attn, pos, labels, shared)[0]
+                return response_logprobs(self.reference, ids, attn, pos, labels, shared).logp
         return None
 
     def update(self, batch: RLBatch, targets: Targets, save: bool = True) -> dict[str, Any]:
@@ -320,7 +320,8 @@ class RLWorker:
         if self.job.train_policy:
             no_sync = contextlib.nullcontext() if sync else self.ddp_policy.no_sync()
             with no_sync, self._autocast():
-                logp, entropy = response_logprobs(self.ddp_policy, ids, attn, pos, labels, shared, entropy=True)
+                scores = response_logprobs(self.ddp_policy, ids, attn, pos, labels, shared, entropy=True)
+                logp, entropy = scores.logp, scores.entropy
                 if old is None:  # the only optimizer step on this batch: these weights sampled it
                     old = logp.detach()
                     self._checks.add(full.logprobs[rows, :R], old, ref, m)
