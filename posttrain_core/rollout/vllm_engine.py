@@ -20,6 +20,9 @@ import pyarrow as pa
 from posttrain_core.env import apply_engine_defaults
 from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SINGLE_TURN, SamplingSettings
 
+# The most top-k log-probs `score` returns per position: vLLM refuses more than `max_logprobs` (LLM constructor,
+# default 20), so the engine is built with this bound (DistillConfig.topk's too).
+MAX_TOPK = 64
 # Ranks vLLM's LoRA layers are built for (`LoRAConfig.max_lora_rank`).
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -137,6 +140,7 @@ class VLLMEngine:
             max_model_len=self.max_model_len,
             enforce_eager=current_platform.is_cpu(),
             logprobs_mode="raw_logprobs",
+            max_logprobs=MAX_TOPK,
             worker_extension_cls=f"{__name__}.WeightReload",
             use_tqdm_on_load=False,
             **kwargs,
@@ -286,6 +290,71 @@ class VLLMEngine:
                 }
             )
         return results
+
+    def score(self, rows: pa.Table, topk: int) -> pa.Table:
+        """The served model as a teacher of `rows` (`Engine.score`): one request per row on prompt + response with
+        vLLM's prompt log-probs (a forward pass; the one token it must generate is discarded).
+
+        Alignment: vLLM's `prompt_logprobs[i]` is the log-prob of token i given tokens < i (entry 0, which has no
+        context, is None), so response token j, at index len(prompt_ids) + j of the request, gets entry
+        len(prompt_ids) + j: the same conditioning as the trainer's forward pass and `HFEngine.score`. The
+        log-probs are raw (`logprobs_mode="raw_logprobs"`; prompt tokens skip the sampling processors anyway).
+
+        Raises:
+            ValueError: topk is negative or above MAX_TOPK; a row has a response but no prompt; a row does not
+                leave room for the one generated token (prompt + response >= max_model_len, which vLLM refuses).
+        """
+        from vllm import SamplingParams
+
+        from posttrain_core.rollout.engine import teacher_columns
+
+        if not 0 <= topk <= MAX_TOPK:
+            raise ValueError(f"VLLMEngine.score: distill.topk={topk} must be between 0 and {MAX_TOPK} (MAX_TOPK)")
+        prompts, responses = rows.column("prompt_ids").to_pylist(), rows.column("response_ids").to_pylist()
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            if r and not p:
+                raise ValueError(f"VLLMEngine.score: row {i} has no prompt: its first token has no log-prob")
+            if self.max_model_len and len(p) + len(r) >= self.max_model_len:
+                raise ValueError(
+                    f"VLLMEngine.score: row {i} has {len(p) + len(r)} tokens; vLLM scores a row as a prompt and needs "
+                    f"room for one generated token, so at most {self.max_model_len - 1} (max_model_len="
+                    f"{self.max_model_len})"
+                )
+        sampling = SamplingParams(
+            max_tokens=1,
+            temperature=1.0,
+            # vLLM returns the actual token's log-prob besides the top k: 0 gives the actual token's only.
+            prompt_logprobs=topk,
+            # Positions whose KV blocks come from the prefix cache get no prompt log-probs: vLLM 0.32 returned
+            # uninitialised memory for them (measured, with this set to False), and rows of a batch that share a
+            # prompt fill the cache for each other, so resetting the cache first is not enough. vLLM sets this
+            # for prompt_logprobs by default; it is explicit here because correctness depends on it.
+            skip_reading_prefix_cache=True,
+            detokenize=False,  # token ids only: decoding k strings per position is wasted work
+        )
+        scored = [i for i, r in enumerate(responses) if r]  # a row without a response needs no forward pass
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": prompts[i] + responses[i]} for i in scored],
+            sampling,
+            lora_request=self._lora,
+            use_tqdm=False,
+        )
+        logprobs: list[list[float]] = [[] for _ in responses]
+        ids: list[list[list[int]]] = [[] for _ in responses]
+        top: list[list[list[float]]] = [[] for _ in responses]
+        for i, out in zip(scored, outputs, strict=True):
+            if out.num_cached_tokens:  # skip_reading_prefix_cache not honoured: garbage log-probs, not an answer
+                raise RuntimeError(f"VLLMEngine.score: row {i} read {out.num_cached_tokens} tokens from the cache")
+            P = len(prompts[i])
+            for position, token in enumerate(responses[i], start=P):
+                entry = out.prompt_logprobs[position]  # {token id: Logprob}: the top k and the actual token
+                logprobs[i].append(entry[token].logprob)
+                if topk:
+                    # By log-prob, not dict order: the actual token comes first in the dict, in the top k or not.
+                    best = sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:topk]
+                    ids[i].append([t for t, _ in best])
+                    top[i].append([lp.logprob for _, lp in best])
+        return teacher_columns(logprobs, ids if topk else None, top if topk else None)
 
     def load(self, model_path: str, policy_digest: str | None = None) -> str:
         """Serve another policy: a full model folder or a LoRA adapter folder; returns "updated" (in place, no
