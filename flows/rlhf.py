@@ -21,7 +21,7 @@ from flows import tracked
 from posttrain_core import reports, tracking
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.cluster import WarmGroup
-from posttrain_core.config import EvalConfig, RLHFFlowConfig
+from posttrain_core.config import EvalConfig, ModelConfig, RLHFFlowConfig
 from posttrain_core.train.rl_plan import check_dynamic_sampling, informative_groups, iteration_rollout, score_config_for
 from posttrain_core.train.rl_stage import NextRollout
 from tasks.data import prepare_data
@@ -29,7 +29,7 @@ from tasks.evaluate import evaluate
 from tasks.models import build_model
 from tasks.preference import reward_model
 from tasks.rl import rl_update, value_pretrain
-from tasks.rollout import rollout, score
+from tasks.rollout import rollout, score, teacher_logprobs
 from tasks.train import pretrain, sft
 
 SAMPLED_EVAL_SEED = 7_777  # the held-out samples' own seed: the same prompts and streams before and after RL
@@ -49,6 +49,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
 
         data = prepare_data(config.data, root, pid)
         start = build_model(config.model, data.text, root, pid)
+        teacher = _teacher(config, store, start, data.text, pid) if rl.distill is not None else None
         if config.pretrain:
             start = pretrain(config.pretrain, data.text, start, root, pid)
         if config.sft:
@@ -63,9 +64,14 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         curve, timings = [], []
         for k in range(1, config.iterations + 1):
             started = time.time()
-            samples, scored = _sample_and_score(config, store, data.prompts, policy, rm, k, pid, w)
-            nxt = NextRollout(rollout=_next_window(config, k), prompts=data.prompts) if k < config.iterations else None
-            policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid, w, nxt)
+            sampler = policy if rl.distill is None or rl.distill.student_samples(k, rl.seed) else teacher
+            samples, scored = _sample_and_score(config, store, data.prompts, sampler, rm, k, pid, w)
+            scores = [teacher_logprobs(rl.distill, s, teacher, k, root, pid, w) for s in samples] if teacher else None
+            nxt = None
+            if k < config.iterations and (rl.distill is None or rl.distill.student_samples(k + 1, rl.seed)):
+                nxt = NextRollout(rollout=_next_window(config, k), prompts=data.prompts)
+            by = sampler if sampler is not policy else None
+            policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid, w, nxt, scores, by)
             critic = policy if rl.uses_critic else None
             metrics = store.manifest(policy)["metrics"]
             run.log_metrics({f"rl/{name}": value for name, value in metrics.items()}, step=k)
@@ -121,6 +127,16 @@ def _sample_and_score(config: RLHFFlowConfig, store, prompts, policy, rm, k: int
             if check_dynamic_sampling(counts, config.rollout.max_prompts, rl.max_gen_batches):
                 break
     return samples, scored
+
+
+def _teacher(config: RLHFFlowConfig, store: ArtifactStore, student: ArtifactRef, corpus, pid: str) -> ArtifactRef:
+    """The teacher of rl.distill as a model artifact (any path `model.path` takes), refused before any Ray work if
+    it does not share the student's tokenizer."""
+    from posttrain_core.rollout.teacher import check_teacher
+
+    teacher = build_model(ModelConfig(path=config.rl.distill.teacher), corpus, str(store.root), pid)
+    check_teacher(str(store.local_path(student)), str(store.local_path(teacher)))
+    return teacher
 
 
 def _next_window(config: RLHFFlowConfig, k: int):

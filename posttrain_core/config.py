@@ -330,8 +330,76 @@ class ScoreConfig(_Config):
     batch_size: int = Field(64, ge=1, description="rollouts per reward-model forward")
 
 
+class DistillConfig(_Config):
+    """A teacher the student learns from (docs/distillation.md): its log-probs of every sampled token (on-policy
+    distillation's advantage) and, with top-k, its most likely tokens at each position (GKD's supervised loss)."""
+
+    teacher: str | None = Field(
+        None,
+        description="the teacher: a local Hugging Face folder (full model or peft adapter), a .gguf file, "
+        "'latest:STAGE', a model artifact's key or a tinker:// checkpoint; it must share the student's tokenizer",
+    )
+    topk: int = Field(
+        16, ge=0, le=64,
+        description="teacher tokens kept per position with their log-probs (0: the sampled token's only); the "
+        "supervised divergences compare the two distributions on them plus one bucket for the rest",
+    )  # fmt: skip
+    coef: float = Field(
+        1.0, gt=0, description="on-policy distillation: A_t = -coef (log pi_student(y_t) - log pi_teacher(y_t))"
+    )
+    discount: float = Field(
+        0.0, ge=0, le=1, description="on-policy distillation: discount of the sum over later tokens (0: per token)"
+    )
+    task_weight: float = Field(
+        0.0, ge=0, description="on-policy distillation: plus this weight times the task reward's advantage"
+    )
+    task_advantage: str = Field(
+        "grpo", description="on-policy distillation: the advantage estimator of the task reward (with task_weight)"
+    )
+    divergence: str = Field(
+        "jsd", json_schema_extra=USER_CODE,
+        description="supervised loss per response token: jsd (generalized JSD(beta)), forward_kl, reverse_kl (over "
+        "the teacher's top-k plus a tail bucket), k2, k3 (on the sampled token), or your registered function",
+    )  # fmt: skip
+    beta: float = Field(0.5, ge=0, le=1, description="jsd: 0 = KL(teacher || student), 1 = KL(student || teacher)")
+    loss_coef: float | None = Field(
+        None, ge=0, description="weight of the supervised divergence in the update's loss (empty: 1 for gkd, else 0)"
+    )
+    lmbda: float = Field(
+        1.0, ge=0, le=1,
+        description="the share of iterations whose rollouts the student samples (drawn per iteration from the "
+        "seed); the others are sampled by the teacher",
+    )  # fmt: skip
+    seq_kd: bool = Field(
+        False, description="every iteration's rollouts are sampled by the teacher: SFT on its completions (lmbda 0)"
+    )
+    engine: Literal["hf", "vllm"] = Field("hf", description="the teacher's engine (one forward pass per batch)")
+    num_engines: int = Field(1, ge=1, description="teacher engine actors")
+    batch_size: int = Field(64, ge=1, description="rows per teacher forward pass call")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the teacher's weights dtype")
+    vllm_python: str | None = Field(
+        None, description="python of the vLLM environment (default: $POSTTRAIN_VLLM_PYTHON or .venv-vllm/bin/python)"
+    )
+
+    def scoring(self) -> DistillConfig:
+        """Only what the teacher_logprobs stage uses (its key): another loss setting reuses the teacher's log-probs."""
+        return DistillConfig(**{name: getattr(self, name) for name in _SCORING_FIELDS})
+
+    def student_samples(self, iteration: int, seed: int) -> bool:
+        """Whether the student samples iteration `iteration`'s rollouts (else the teacher does): seq_kd never, else
+        with probability lmbda, drawn from (seed, iteration) so that a rerun makes the same choice."""
+        import random
+
+        if self.seq_kd:
+            return False
+        return self.lmbda >= 1.0 or random.Random(seed * 1_000_003 + iteration).random() < self.lmbda
+
+
+_SCORING_FIELDS = ("topk", "engine", "num_engines", "batch_size", "dtype", "vllm_python")
+
 Algorithm = Literal[
-    "ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo", "gspo", "cispo"
+    "ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo", "gspo", "cispo",
+    "opd", "gkd",
 ]  # fmt: skip
 AggMode = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -362,7 +430,15 @@ RL_PRESETS: dict[str, dict] = {
     # CISPO: the clipped ratio only weights each token's gradient; no lower clip (1 - 0.99), clip-higher as DAPO's
     "cispo": dict(advantage="grpo", critic=False, loss_agg="token-mean", policy_loss="cispo", clip_low=0.99,
                   clip_high=0.28, kl_placement="none", kl_estimator="k3", kl_coef=0.0),
+    # On-policy distillation: the teacher's per-token reverse KL as the advantage, through the clipped update
+    "opd": dict(advantage="opd", critic=False, loss_agg="token-mean", **_CLIP,
+                kl_placement="none", kl_estimator="k3", kl_coef=0.0),
+    # GKD: the supervised divergence alone (no advantage), on the student's samples (distill.lmbda, seq_kd)
+    "gkd": dict(advantage="none", critic=False, loss_agg="token-mean", **_CLIP,
+                kl_placement="none", kl_estimator="k3", kl_coef=0.0),
 }  # fmt: skip
+DISTILL_ALGORITHMS = ("opd", "gkd")
+TOPK_DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
 
 
 class RLConfig(_Config):
@@ -435,6 +511,9 @@ class RLConfig(_Config):
     lora: LoraConfig | None = Field(
         None, description="train LoRA adapters; the reference is then the base with the adapter disabled"
     )
+    distill: DistillConfig | None = Field(
+        None, description="a teacher to learn from (opd, gkd; or any algorithm with distill.loss_coef > 0)"
+    )
 
     def preset(self, name: str):
         """The algorithm's preset value of `name` (None when it has none)."""
@@ -454,7 +533,20 @@ class RLConfig(_Config):
             value = update.get(name, getattr(self, name))
             if is_reference(value):
                 update[name] = absolute(value)
+        if self.distill is not None and self.distill.loss_coef is None:
+            coef = 1.0 if self.algorithm == "gkd" else 0.0
+            update["distill"] = self.distill.model_copy(update={"loss_coef": coef})
+        if self.distill is not None and is_reference(self.distill.divergence):
+            d = update.get("distill", self.distill)
+            update["distill"] = d.model_copy(update={"divergence": absolute(d.divergence)})
         return self.model_copy(update=update)
+
+    @property
+    def distill_loss_coef(self) -> float:
+        """The weight of the supervised divergence (0 without a teacher)."""
+        if self.distill is None:
+            return 0.0
+        return self.distill.loss_coef if self.distill.loss_coef is not None else float(self.algorithm == "gkd")
 
     @property
     def uses_critic(self) -> bool:
@@ -466,6 +558,25 @@ class RLConfig(_Config):
             raise ValueError("kl_target (adaptive KL) needs kl_placement='reward'")
         if (self.policy_loss or self.preset("policy_loss")) == "gspo" and self.uses_critic:
             raise ValueError(f"policy_loss='gspo' takes sequence advantages; algorithm '{self.algorithm}' has a critic")
+        if self.algorithm in DISTILL_ALGORITHMS and (self.distill is None or not self.distill.teacher):
+            raise ValueError(f"rl.algorithm='{self.algorithm}' learns from a teacher: set rl.distill.teacher")
+        if (self.advantage or self.preset("advantage")) == "opd" and self.distill is None:
+            raise ValueError("rl.advantage='opd' needs the teacher's log-probs: set rl.distill.teacher")
+        if (self.advantage or self.preset("advantage")) == "opd" and not self.distill.student_samples(0, 0):
+            raise ValueError(
+                "on-policy distillation (advantage 'opd') scores the student's own samples: leave rl.distill.lmbda at "
+                "1 and seq_kd off (the teacher's samples are for a supervised divergence, e.g. algorithm='gkd')"
+            )
+        if self.distill_loss_coef > 0 and self.distill.divergence == "k1":
+            raise ValueError(
+                "rl.distill.divergence='k1' as a supervised loss: its expected gradient is 0 (E[grad log pi] = 0), "
+                "nothing of the teacher; use k2, k3, a top-k divergence, or algorithm='opd' (k1 as the advantage)"
+            )
+        if self.distill_loss_coef > 0 and self.distill.divergence in TOPK_DIVERGENCES and not self.distill.topk:
+            raise ValueError(
+                f"rl.distill.divergence='{self.distill.divergence}' compares distributions on the teacher's top-k "
+                "tokens: set rl.distill.topk > 0"
+            )
         if self.uses_critic and (self.advantage or self.preset("advantage")) not in ("gae", "vapo"):
             if not is_reference(self.advantage or ""):
                 raise ValueError(

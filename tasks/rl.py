@@ -18,7 +18,10 @@ from tasks.common import run_core, stage_task
 
 
 def _update_key(p, store):
-    return key_for(STAGE, p["cfg"], update_inputs(p["scored"], p["policy"], p["reference"], p.get("critic")))
+    inputs = update_inputs(
+        p["scored"], p["policy"], p["reference"], p.get("critic"), p.get("teacher"), p.get("sampler")
+    )
+    return key_for(STAGE, p["cfg"], inputs)
 
 
 @stage_task(STAGE, _update_key, run_name="rl_update[iter={iteration}]")
@@ -33,12 +36,14 @@ def rl_update(
     parent_run_id: str | None = None,
     warm: WarmGroup | None = None,
     next_rollout: NextRollout | None = None,
+    teacher: list[ArtifactRef] | None = None,
+    sampler: ArtifactRef | None = None,
 ) -> ArtifactRef:
     """`warm` (the flow run's warm group) and `next_rollout` (the rollout that follows, started early) are not part
     of the cache key: they change how fast the artifact is made, not the artifact."""
     return run_core(
         f"rl_update[iter={iteration}]", store_root, parent_run_id,
-        lambda store: run_rl_update(cfg, scored, policy, reference, store, critic, warm, next_rollout),
+        lambda store: run_rl_update(cfg, scored, policy, reference, store, critic, warm, next_rollout, teacher, sampler),
     )  # fmt: skip
 
 

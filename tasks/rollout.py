@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.cluster import WarmGroup
-from posttrain_core.config import RolloutConfig, ScoreConfig
+from posttrain_core.config import DistillConfig, RolloutConfig, ScoreConfig
 from posttrain_core.rewards.score import STAGE as SCORE_STAGE
 from posttrain_core.rewards.score import run_score, score_inputs
 from posttrain_core.rollout.stage import STAGE as ROLLOUT_STAGE
 from posttrain_core.rollout.stage import rollout_inputs, run_rollout
+from posttrain_core.rollout.teacher import STAGE as TEACHER_STAGE
+from posttrain_core.rollout.teacher import run_teacher_logprobs, teacher_inputs
 from posttrain_core.stage import key_for
 from tasks.common import run_core, stage_task
 
@@ -51,4 +53,25 @@ def score(
     return run_core(
         f"score[iter={iteration}]", store_root, parent_run_id,
         lambda store: run_score(cfg, rollouts, store, reward_model=reward_model),
+    )  # fmt: skip
+
+
+@stage_task(
+    TEACHER_STAGE,
+    lambda p, store: key_for(TEACHER_STAGE, p["cfg"].scoring(), teacher_inputs(p["rollouts"], p["teacher"])),
+    run_name="teacher_logprobs[iter={iteration}]",
+)
+def teacher_logprobs(
+    cfg: DistillConfig,
+    rollouts: ArtifactRef,
+    teacher: ArtifactRef,
+    iteration: int = 0,
+    store_root: str | None = None,
+    parent_run_id: str | None = None,
+    warm: WarmGroup | None = None,
+) -> ArtifactRef:
+    """`warm`: the flow run's warm group, whose teacher engines score every iteration's rollouts (not in the key)."""
+    return run_core(
+        f"teacher_logprobs[iter={iteration}]", store_root, parent_run_id,
+        lambda store: run_teacher_logprobs(cfg, rollouts, teacher, store, warm),
     )  # fmt: skip

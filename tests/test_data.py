@@ -68,6 +68,12 @@ GOOD = {
         "correct": [True, None],
         "parse_failed": [False, True],
     },
+    "teacher_logprobs": {
+        **ROLLOUT,
+        "teacher_logprobs": [[-0.5, -1.5, -0.1], [-0.25]],
+        "teacher_topk_ids": [[[7, 3], [2, 9], [4, 1]], None],
+        "teacher_topk_logprobs": [[[-0.5, -1.0], [-1.5, -2.0], [-0.1, -3.0]], None],
+    },
     "eval": {
         "prompt_id": ["a"],
         "sample_index": [0],

@@ -177,7 +177,9 @@ class AdvantageInputs:
         when the KL is placed in the reward. mask_B_T: the response mask (1 on tokens the policy generated).
     group_B: responses with the same id answer the same prompt. values_B_T: the critic's values (None without one).
     gamma, lam: discount and GAE lambda of the policy advantages; critic_lam: GAE lambda of the value targets;
-    vapo_alpha: VAPO's length-adaptive lambda scale.
+    vapo_alpha: VAPO's length-adaptive lambda scale. sampler_logp_B_T / teacher_logp_B_T: the sampling engine's and
+    the teacher's log-probs of the sampled tokens (on-policy distillation; None without a teacher), distill_coef,
+    distill_discount, task_weight, task_advantage: its settings (`DistillConfig`).
     """
 
     rewards_B_T: Tensor
@@ -188,6 +190,12 @@ class AdvantageInputs:
     lam: float = 0.95
     critic_lam: float = 0.95
     vapo_alpha: float = 0.05
+    sampler_logp_B_T: Tensor | None = None
+    teacher_logp_B_T: Tensor | None = None
+    distill_coef: float = 1.0
+    distill_discount: float = 0.0
+    task_weight: float = 0.0
+    task_advantage: str = "grpo"
 
     @property
     def sequence_rewards_B(self) -> Tensor:
@@ -251,3 +259,24 @@ def reinforce_pp(inp: AdvantageInputs) -> tuple[Tensor, None]:
 @register_advantage("reinforce_pp_baseline")
 def reinforce_pp_baseline(inp: AdvantageInputs) -> tuple[Tensor, None]:
     return reinforce_pp_baseline_advantages(inp.sequence_rewards_B, inp.group_B, inp.mask_B_T), None
+
+
+@register_advantage("opd")
+def opd(inp: AdvantageInputs) -> tuple[Tensor, None]:
+    """On-policy distillation: -coef (log pi(y_t) - log pi_teacher(y_t)) per token (discounted over later tokens),
+    plus task_weight times the task reward's advantage (`distill.opd_advantages`)."""
+    from posttrain_core.algorithms.distill import opd_advantages  # distill -> losses -> this module
+
+    if inp.teacher_logp_B_T is None or inp.sampler_logp_B_T is None:
+        raise ValueError("advantage estimator 'opd' needs the teacher's log-probs (rl.distill)")
+    task = ADVANTAGES[inp.task_advantage](inp)[0] if inp.task_weight else None
+    return opd_advantages(
+        inp.sampler_logp_B_T, inp.teacher_logp_B_T, inp.mask_B_T, inp.distill_coef, inp.distill_discount, task,
+        inp.task_weight,
+    ), None  # fmt: skip
+
+
+@register_advantage("none")
+def no_advantage(inp: AdvantageInputs) -> tuple[Tensor, None]:
+    """0 everywhere: no policy-gradient term (GKD's supervised loss alone)."""
+    return torch.zeros_like(inp.rewards_B_T, dtype=torch.float32), None

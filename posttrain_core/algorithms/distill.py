@@ -144,3 +144,14 @@ def opd_advantages(
     if task_B_T is not None and task_weight != 0.0:
         r_B_T = r_B_T + task_weight * task_B_T
     return r_B_T * m_B_T
+
+
+def topk_agreement(
+    student_on_teacher_B_T_K: Tensor, student_ids_B_T_K: Tensor, teacher_ids_B_T_K: Tensor, mask_B_T: Tensor
+) -> tuple[float, float]:
+    """Sums over the masked positions of the student's probability mass on the teacher's top-k tokens
+    (`student_mass`), and of the share of the student's own top-k that is in the teacher's (`topk_overlap`)."""
+    m = mask_B_T.float()
+    mass = (student_on_teacher_B_T_K.detach().float().exp().sum(-1) * m).sum()
+    shared = (student_ids_B_T_K[..., :, None] == teacher_ids_B_T_K[..., None, :]).any(-1).float().mean(-1)
+    return float(mass), float((shared * m).sum())

@@ -37,6 +37,12 @@ _ROLLOUT_FIELDS = [
     _f("tool_errors", pa.int32()),  # calls that ended in an error or a timeout observation
 ]
 
+_TEACHER_FIELDS = [
+    _f("teacher_logprobs", pa.list_(pa.float32())),
+    _f("teacher_topk_ids", pa.list_(pa.list_(pa.int32())), nullable=True),
+    _f("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32())), nullable=True),
+]
+
 SCHEMAS: dict[str, pa.Schema] = {
     "text": pa.schema([_f("text", pa.string())]),
     "prompts": pa.schema(
@@ -61,6 +67,9 @@ SCHEMAS: dict[str, pa.Schema] = {
             _f("parse_failed", pa.bool_()),
         ]
     ),
+    # Rollouts with a teacher's log-probs of every response token (0.0 where response_mask is 0), and with top-k its
+    # k most likely tokens at each response position and their log-probs (R x K, most likely first; null: no top-k).
+    "teacher_logprobs": pa.schema(_ROLLOUT_FIELDS + _TEACHER_FIELDS),
     "eval": pa.schema(
         [
             _f("prompt_id", pa.string()),
@@ -76,7 +85,12 @@ SCHEMAS: dict[str, pa.Schema] = {
 # Columns holding a chat (list of {role, content}), checked row by row; the ones that must hold an assistant turn.
 _MESSAGE_COLUMNS = {"prompts": ("messages",), "sft": ("messages",), "preferences": ("prompt", "chosen", "rejected")}
 _NEEDS_ASSISTANT = {"sft": ("messages",), "preferences": ("chosen", "rejected")}
-_JSON_COLUMNS = {"prompts": ("meta",), "rollouts": ("turns",), "scored_rollouts": ("turns",)}
+_JSON_COLUMNS = {
+    "prompts": ("meta",),
+    "rollouts": ("turns",),
+    "scored_rollouts": ("turns",),
+    "teacher_logprobs": ("turns",),
+}
 
 
 class SchemaError(ValueError):

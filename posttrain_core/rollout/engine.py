@@ -27,6 +27,24 @@ def policy_lengths(rollouts: pa.Table) -> list[int]:
     return [sum(m) if m is not None else len(x) for x, m in zip(ids, masks, strict=True)]
 
 
+TEACHER_COLUMNS = ("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")
+
+
+def teacher_columns(
+    logprobs: list[list[float]], topk_ids: list[list[list[int]]] | None, topk_logprobs: list[list[list[float]]] | None
+) -> pa.Table:
+    """The teacher columns of scored rows (`Engine.score`): per row, the log-prob of each response token and, with
+    top-k, R x K token ids and their log-probs (null without top-k)."""
+    none = [None] * len(logprobs)
+    return pa.table(
+        {
+            "teacher_logprobs": pa.array(logprobs, pa.list_(pa.float32())),
+            "teacher_topk_ids": pa.array(topk_ids or none, pa.list_(pa.list_(pa.int32()))),
+            "teacher_topk_logprobs": pa.array(topk_logprobs or none, pa.list_(pa.list_(pa.float32()))),
+        }
+    )
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """Plain, picklable sampling parameters (built from a rollout or eval config; crosses the Ray boundary)."""
@@ -64,6 +82,17 @@ class Engine(Protocol):
         Raises:
             NotImplementedError: the engine only loads folders (vLLM).
             ValueError: the weights do not fit the loaded model, or it serves a LoRA adapter.
+        """
+        ...
+
+    def score(self, rows: pa.Table, topk: int) -> pa.Table:
+        """The served model as a teacher of `rows` (`prompt_ids`, `response_ids`): one forward pass over prompt +
+        response, at temperature 1 -> `teacher_columns`, in row order. Column j of a row is the raw log-prob of
+        response token j given the prompt and response tokens before it; with topk > 0 also the k most likely
+        tokens at that position (most likely first) and their log-probs.
+
+        Raises:
+            ValueError: a row does not fit the model's context, or topk exceeds what the engine can return.
         """
         ...
 

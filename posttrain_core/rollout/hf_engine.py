@@ -211,6 +211,40 @@ class HFEngine:
         ]  # fmt: skip
         return self._table(results, started)
 
+    @torch.no_grad()
+    def score(self, rows: pa.Table, topk: int) -> pa.Table:
+        """The served model as a teacher (`Engine.score`): the LM head runs on the response positions only, a chunk
+        at a time (`TokenLogprobs`, the trainer's own log-prob path), `max_batch_size` rows per forward pass."""
+        from types import SimpleNamespace
+
+        from posttrain_core.models.heads import TokenLogprobs
+        from posttrain_core.rollout.engine import teacher_columns
+        from posttrain_core.train.rl_batch import encode
+
+        prompts, responses = rows.column("prompt_ids").to_pylist(), rows.column("response_ids").to_pylist()
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            if self.max_context and len(p) + len(r) > self.max_context:
+                raise ValueError(
+                    f"HFEngine.score: row {i} has {len(p) + len(r)} tokens, beyond the context of {self.model_path} "
+                    f"(max_position_embeddings={self.max_context})"
+                )
+        data = SimpleNamespace(
+            prompt_ids=prompts, response_ids=responses, response_mask=[[1] * len(r) for r in responses]
+        )
+        net = TokenLogprobs(self.model)
+        logprobs, ids, top = [], [], []
+        for start in range(0, len(prompts), self.max_batch_size):
+            chunk = list(range(start, min(start + self.max_batch_size, len(prompts))))
+            input_ids, attn, pos, labels, _ = encode(data, chunk, self.pad_id)
+            scores = net(input_ids, attn, pos, labels, topk=topk)
+            for b, i in enumerate(chunk):
+                n = len(responses[i])
+                logprobs.append(scores.logp[b, :n].tolist())
+                if topk:
+                    ids.append(scores.topk_ids[b, :n].tolist())
+                    top.append(scores.topk_logp[b, :n].tolist())
+        return teacher_columns(logprobs, ids if topk else None, top if topk else None)
+
     def _sample(self, contexts: list[list[int]], seeds: list[int], params: SamplingSettings) -> list[dict]:
         """One sample per context (token ids) with its own seed, `max_batch_size` contexts per decode batch."""
         out: list[dict] = []

@@ -56,10 +56,11 @@ class EngineSpec:
 
 
 class EnginePool:
-    """The engine actors of `warm` with the settings `spec` (see the module docstring)."""
+    """The engine actors of `warm` with the settings `spec` (see the module docstring). `role`: which of the warm
+    group's actor sets they are: the policy's engines, or a teacher's (`rollout.teacher`), which keeps its weights."""
 
-    def __init__(self, warm: WarmGroup, spec: EngineSpec):
-        self.warm, self.spec = warm, spec
+    def __init__(self, warm: WarmGroup, spec: EngineSpec, role: str = ROLE):
+        self.warm, self.spec, self.role = warm, spec, role
         self.actors: list[Any] = []
 
     def serve(self, model_path: str, digest: str, seed: int = 0) -> dict[str, Any]:
@@ -80,7 +81,7 @@ class EnginePool:
         def start() -> list[Any]:
             return self._start(model_path, digest, seed)
 
-        self.actors, started = self.warm.get(ROLE, self.spec.key, n, start)
+        self.actors, started = self.warm.get(self.role, self.spec.key, n, start)
         action = "started"
         if not started:
             try:
@@ -88,8 +89,8 @@ class EnginePool:
                 action = actions[0] if len(set(actions)) == 1 else "+".join(sorted(set(actions)))
             except RayActorError as err:
                 log.warning("engines of %s: an engine actor died (%s); starting new ones", self.warm.name, err)
-                self.warm.discard(ROLE)
-                self.actors, _ = self.warm.get(ROLE, self.spec.key, n, start)
+                self.warm.discard(self.role)
+                self.actors, _ = self.warm.get(self.role, self.spec.key, n, start)
         served = ray.get([a.served_digest.remote() for a in self.actors])
         if any(d != digest for d in served):
             raise RuntimeError(
@@ -132,6 +133,14 @@ class EnginePool:
         pool = ActorPool(self.actors)
         return list(pool.map_unordered(lambda a, b: a.generate.remote(b, params), batches))
 
+    def score(self, batches: list[pa.Table], topk: int) -> list[pa.Table]:
+        """Every batch of rollout rows scored by the served model (`RolloutWorker.score`), in batch order."""
+        from ray.util import ActorPool
+
+        if not self.actors:
+            raise RuntimeError("EnginePool.score before serve")
+        return list(ActorPool(self.actors).map(lambda a, b: a.score.remote(b, topk), batches))
+
     def prefetch(
         self,
         weights: Callable[[], Any],
@@ -149,7 +158,7 @@ class EnginePool:
 
         if self.spec.engine != "hf":
             return False
-        actors = self.warm.find(ROLE, self.spec.key, self.spec.num_engines)
+        actors = self.warm.find(self.role, self.spec.key, self.spec.num_engines)
         if not actors or ray.get([a.served_digest.remote() for a in actors]) != [serving] * len(actors):
             return False
         state = weights()
@@ -167,7 +176,7 @@ class EnginePool:
         import ray
         from ray.exceptions import RayActorError
 
-        actors = self.warm.find(ROLE, self.spec.key, self.spec.num_engines)
+        actors = self.warm.find(self.role, self.spec.key, self.spec.num_engines)
         if not actors:
             return None
         ids = [

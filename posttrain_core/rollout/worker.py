@@ -97,6 +97,10 @@ class RolloutWorker:
             out = out.append_column("meta", batch.column("meta").take(index))
         return out.append_column(ENGINE_SECONDS, pa.array([seconds / max(n, 1)] * n, pa.float64()))
 
+    def score(self, rows: pa.Table, topk: int) -> pa.Table:
+        """The served model as a teacher of `rows` (`Engine.score`): the teacher columns, in row order."""
+        return self.engine.score(rows, topk)
+
     def prefetch(self, weights: dict[str, Any], key: str, batches: list[pa.Table], params: SamplingSettings) -> bool:
         """Take the weights of the RL update that will publish artifact `key` and generate `batches` with them now,
         keeping the rows for `take_prefetched`. On failure (the weights do not fit, an engine that only loads

@@ -33,6 +33,11 @@ class RLBatch:
     rewards: list[float]
     groups: list[int]  # rows with the same id answer the same prompt
     correct: list[bool]
+    # A teacher's, aligned to response_ids (`rollout.teacher`): its log-probs of the sampled tokens, and its top-k
+    # tokens and their log-probs at each position (R x K); None without a teacher (or without top-k).
+    teacher_logp: list[list[float]] | None = None
+    teacher_topk_ids: list[list[list[int]]] | None = None
+    teacher_topk_logp: list[list[list[float]]] | None = None
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -193,6 +198,9 @@ class UpdateStats:
     tokens: float = 0.0  # policy tokens
     seq_tokens: float = 0.0  # tokens of the policy's forward passes in full, and of them actually run (shared prompts)
     seq_tokens_run: float = 0.0
+    distill_loss: float = 0.0  # per optimizer step, as pg_loss
+    student_mass_sum: float = 0.0  # per policy token with the teacher's top-k
+    topk_overlap_sum: float = 0.0
 
     def add(self, other: UpdateStats) -> None:
         for f in dataclasses.fields(self):
@@ -209,23 +217,37 @@ class UpdateStats:
 
 # --------------------------------------------------------------------------------------------- reading the batch
 def load_batch(
-    store: ArtifactStore, scored: list[ArtifactRef], policy: ArtifactRef, cfg: RLConfig, stage: str = "rl_update"
+    store: ArtifactStore,
+    scored: list[ArtifactRef],
+    policy: ArtifactRef,
+    cfg: RLConfig,
+    stage: str = "rl_update",
+    teacher: list[ArtifactRef] | None = None,
+    sampler: ArtifactRef | None = None,
 ) -> tuple[RLBatch, dict[str, float]]:
     """The rows to train on, as an RLBatch, and data metrics.
 
+    Args:
+        teacher: `teacher_logprobs` datasets of the same rollouts (one per scored artifact): their teacher columns
+            join each row by (prompt_id, sample_index).
+        sampler: the model that sampled the rows when it is not `policy` (a teacher's samples, distill.seq_kd).
+
     Raises:
-        ValueError: a row was sampled by another policy than `policy` (stale weights), or nothing is left to train on.
+        ValueError: a row was sampled by another model than `policy` (stale weights) or `sampler`, a teacher row
+            is missing or holds other tokens, or nothing is left to train on.
     """
     from posttrain_core.data.io import read_dataset
 
     tables = [read_dataset(store.local_path(s), "scored_rollouts") for s in scored]
+    by = sampler or policy
     for ref, table in zip(scored, tables, strict=True):
         digests = table.column("policy_digest").to_pylist()
-        bad = next((i for i, d in enumerate(digests) if d != policy.digest), None)
+        bad = next((i for i, d in enumerate(digests) if d != by.digest), None)
         if bad is not None:
             raise ValueError(
-                f"{stage}: {ref.uri} row {bad} was sampled by policy {digests[bad][:12]}, not by the policy being "
-                f"updated ({policy.digest[:12]}): the rollout engine generated with stale weights"
+                f"{stage}: {ref.uri} row {bad} was sampled by policy {digests[bad][:12]}, not by the "
+                f"{'sampler' if sampler else 'policy being updated'} ({by.digest[:12]}): the rollout engine generated "
+                "with stale weights"
             )
     table = pa.concat_tables([t.select(_COLUMNS) for t in tables])
     want = len(set(tables[0].column("prompt_id").to_pylist()))
@@ -250,6 +272,8 @@ def load_batch(
         groups=[gid[rows[i]["prompt_id"]] for i in picked],
         correct=[bool(rows[i]["correct"]) for i in picked],
     )
+    if teacher:
+        batch = dataclasses.replace(batch, **_teacher_columns(store, teacher, [rows[i] for i in picked], stage))
     if all(not r for r in batch.response_ids):
         raise ValueError(f"{stage}: every response is empty; nothing to train on")
     lengths = [sum(m) for m in batch.response_mask]  # policy tokens: tool turns are not the policy's length
@@ -268,7 +292,38 @@ def load_batch(
     return batch, metrics
 
 
-_COLUMNS = ["prompt_id", "prompt_ids", "response_ids", "response_mask", "logprobs", "reward", "correct"]
+_COLUMNS = [
+    "prompt_id", "sample_index", "prompt_ids", "response_ids", "response_mask", "logprobs", "reward", "correct"
+]  # fmt: skip
+
+
+def _teacher_columns(store: ArtifactStore, teacher: list[ArtifactRef], rows: list[dict], stage: str) -> dict:
+    """RLBatch's teacher fields for `rows`, joined from the `teacher_logprobs` datasets by (prompt_id,
+    sample_index); each teacher row must hold the very response tokens it scored."""
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.rollout.engine import TEACHER_COLUMNS
+
+    found: dict[tuple[str, int], tuple[dict, str]] = {}
+    names = ["prompt_id", "sample_index", "response_ids", *TEACHER_COLUMNS]
+    for ref in teacher:
+        for r in read_dataset(store.local_path(ref), "teacher_logprobs").select(names).to_pylist():
+            found[(r["prompt_id"], r["sample_index"])] = (r, ref.uri)
+    out: dict[str, list] = {"teacher_logp": [], "teacher_topk_ids": [], "teacher_topk_logp": []}
+    for row in rows:
+        key = (row["prompt_id"], row["sample_index"])
+        if key not in found:
+            raise ValueError(f"{stage}: no teacher log-probs for prompt {key[0]!r} sample {key[1]}")
+        t, uri = found[key]
+        if t["response_ids"] != row["response_ids"]:
+            raise ValueError(
+                f"{stage}: {uri} scored other tokens than the rollout of prompt {key[0]!r} sample {key[1]}"
+            )
+        out["teacher_logp"].append(t["teacher_logprobs"])
+        out["teacher_topk_ids"].append(t["teacher_topk_ids"])
+        out["teacher_topk_logp"].append(t["teacher_topk_logprobs"])
+    if any(x is None for x in out["teacher_topk_ids"]):
+        out["teacher_topk_ids"] = out["teacher_topk_logp"] = None
+    return out
 
 
 def _std(xs: list[float]) -> float:
@@ -289,11 +344,24 @@ def pad(rows: list[list[float]], width: int, value: float = 0.0):
     return out
 
 
-def encode(batch: RLBatch, rows: list[int], pad_id: int):
+def pad_topk(rows: list[list[list[float]]], width: int, dtype: Any = None):
+    """A B x width x K tensor from ragged rows of K-vectors (a teacher's top-k), zeros beyond each row."""
+    import torch
+
+    K = next((len(r[0]) for r in rows if r), 0)
+    out = torch.zeros((len(rows), width, K), dtype=dtype or torch.float32)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=out.dtype)
+    return out
+
+
+def encode(batch: Any, rows: list[int], pad_id: int):
     """(input_ids_B_L, attention_B_L, positions_B_R, labels_B_R, response_mask_B_R) of `rows`, right-padded.
 
     positions_B_R[b, j] is the sequence position whose logits predict response token j; labels are the response
-    ids (IGNORE on padding); the response mask is 0 on padding.
+    ids (IGNORE on padding); the response mask is 0 on padding. `batch`: an RLBatch, or anything with its
+    prompt_ids, response_ids and response_mask (a teacher's rows).
     """
     import torch
 

@@ -76,7 +76,14 @@ def compute_targets(
         raise ValueError(f"{STAGE}: kl_placement='{cfg.kl_placement}' needs a reference model")
     if values is None and cfg.uses_critic:
         raise ValueError(f"{STAGE}: algorithm '{cfg.algorithm}' needs a critic")
-    inputs = AdvantageInputs(token_rewards, mask, groups, values, cfg.gamma, cfg.lam, cfg.critic_lam, cfg.vapo_alpha)
+    teacher = pad(batch.teacher_logp, width) if batch.teacher_logp is not None else None
+    d = cfg.distill
+    inputs = AdvantageInputs(
+        token_rewards, mask, groups, values, cfg.gamma, cfg.lam, cfg.critic_lam, cfg.vapo_alpha,
+        sampler_logp_B_T=pad(batch.logprobs, width) if teacher is not None else None, teacher_logp_B_T=teacher,
+        **(dict(distill_coef=d.coef, distill_discount=d.discount, task_weight=d.task_weight,
+                task_advantage=d.task_advantage) if d is not None else {}),
+    )  # fmt: skip
     adv, returns = ADVANTAGES[cfg.advantage](inputs)
     if values is not None and returns is None:  # a critic under a critic-free estimator: Monte-Carlo targets
         _, returns = gae_advantages(token_rewards, values, mask, cfg.gamma, 1.0, whiten_advantages=False)
@@ -89,6 +96,8 @@ def compute_targets(
     }
     if values is not None:
         metrics["value_mean"] = float(masked_mean(values, mask))
+    if teacher is not None:
+        metrics |= teacher_metrics(batch, inputs.sampler_logp_B_T, teacher, mask, width)
     next_kl = kl_coef
     if cfg.kl_target is not None and ref is not None:
         seq_kl = float((kl_estimate(old, ref, "k1") * mask).sum(-1).mean())
@@ -112,6 +121,20 @@ def compute_targets(
         ref_in_update=ref_in_update,
     )
     return targets, metrics
+
+
+def teacher_metrics(batch: RLBatch, sampler_B_T, teacher_B_T, mask_B_T, width: int) -> dict[str, float]:
+    """teacher_kl: the per-token reverse-KL estimate E[log pi(y) - log pi_teacher(y)] over the sampled tokens; with
+    top-k, teacher_mass: the teacher's probability mass on its top-k tokens, per token."""
+    import torch
+
+    from posttrain_core.algorithms.advantages import masked_mean
+
+    out = {"teacher_kl": float(masked_mean(sampler_B_T - teacher_B_T, mask_B_T))}
+    if batch.teacher_topk_logp is not None:
+        mass = [[float(torch.tensor(k).exp().sum()) if k else 0.0 for k in row] for row in batch.teacher_topk_logp]
+        out["teacher_mass"] = float(masked_mean(pad(mass, width), mask_B_T))
+    return out
 
 
 def needs_old_logprobs(cfg: RLConfig, epochs: int, train_policy: bool, dropout: bool) -> bool:
@@ -204,7 +227,13 @@ def _launch(
 
 
 # ------------------------------------------------------------------------------------------------- the stages
-def check_rl_inputs(cfg: RLConfig, scored: list[ArtifactRef], policy: ArtifactRef, store: ArtifactStore) -> None:
+def check_rl_inputs(
+    cfg: RLConfig,
+    scored: list[ArtifactRef],
+    policy: ArtifactRef,
+    store: ArtifactStore,
+    teacher: list[ArtifactRef] | None = None,
+) -> None:
     from posttrain_core.algorithms.advantages import ADVANTAGES
     from posttrain_core.algorithms.losses import POLICY_LOSSES
     from posttrain_core.models.loading import check_model_path
@@ -224,6 +253,25 @@ def check_rl_inputs(cfg: RLConfig, scored: list[ArtifactRef], policy: ArtifactRe
     if policy.kind != "model":
         raise ValueError(f"{STAGE}: policy must be a model, got a {policy.kind} at {policy.uri}")
     check_model_path(store.local_path(policy))
+    if rcfg.distill is not None:
+        try:
+            ADVANTAGES[rcfg.distill.task_advantage]
+            if rcfg.distill_loss_coef > 0:
+                from posttrain_core.algorithms.distill import DIVERGENCES
+
+                DIVERGENCES[rcfg.distill.divergence]
+        except ValueError as err:
+            raise ValueError(f"RLConfig.distill: {err}") from None
+    needs_teacher = rcfg.advantage == "opd" or rcfg.distill_loss_coef > 0
+    if needs_teacher and len(teacher or []) != len(scored):
+        raise ValueError(
+            f"{STAGE}: algorithm '{rcfg.algorithm}' learns from the teacher: give one 'teacher_logprobs' dataset per "
+            f"scored rollouts ({len(scored)}), got {len(teacher or [])}"
+        )
+    for ref in teacher or []:
+        if ref.kind != "dataset" or ref.schema_kind != "teacher_logprobs":
+            raise ValueError(f"{STAGE}: teacher inputs must be 'teacher_logprobs' datasets, got {ref.schema_kind} at "
+                             f"{ref.uri}")  # fmt: skip
 
 
 def critic_source(store: ArtifactStore, ref: ArtifactRef | None) -> str | None:
@@ -243,6 +291,8 @@ def run_rl_update(
     critic: ArtifactRef | None = None,
     warm: WarmGroup | None = None,
     next_rollout: NextRollout | None = None,
+    teacher: list[ArtifactRef] | None = None,
+    sampler: ArtifactRef | None = None,
 ) -> ArtifactRef:
     """One RL update of `policy` on `scored` (one artifact, or several generation batches with dynamic sampling).
 
@@ -259,17 +309,20 @@ def run_rl_update(
         next_rollout: the rollout stage that will sample from the new policy on the warm group's hf engines: they
             get the new weights in memory and generate while this stage saves, flushes and digests its checkpoint.
             The artifact is the same with or without it.
+        teacher: the teacher's log-probs of the same rollouts (`rollout.teacher`), one per scored artifact, for
+            on-policy distillation and GKD (`cfg.distill`).
+        sampler: the model that sampled `scored` when it is not `policy` (the teacher, under distill.seq_kd/lmbda).
 
     Returns:
         A model artifact: the new policy (full or adapter folder), `critic/` when the algorithm has one and
         `trainer_state.pt`; its manifest holds the metrics docs/algorithms.md lists.
     """
-    check_rl_inputs(cfg, scored, policy, store)
+    check_rl_inputs(cfg, scored, policy, store, teacher)
     rcfg = cfg.resolved()
-    inputs = update_inputs(scored, policy, reference, critic)
+    inputs = update_inputs(scored, policy, reference, critic, teacher, sampler)
 
     def build(ctx: StageContext) -> StageOutput:
-        batch, data_metrics = load_batch(store, scored, policy, rcfg, STAGE)
+        batch, data_metrics = load_batch(store, scored, policy, rcfg, STAGE, teacher, sampler)
         policy_path = str(store.local_path(policy))
         state = Path(policy_path) / STATE_FILE
         prev = store.manifest(policy) if not policy.external else {}
@@ -356,7 +409,9 @@ def run_value_pretrain(
 _VALUE_KEYS = ("value_loss", "vf_clip_frac", "critic_grad_norm", "update_s")
 
 
-def update_inputs(scored: list[ArtifactRef], policy, reference, critic) -> dict[str, Any]:
+def update_inputs(scored: list[ArtifactRef], policy, reference, critic, teacher=None, sampler=None) -> dict[str, Any]:
     """The update stage's named inputs (its key; the Prefect task's cache key uses the same)."""
     inputs = {f"scored_{i}": s for i, s in enumerate(scored)} | {"policy": policy, "reference": reference}
+    inputs |= {f"teacher_{i}": t for i, t in enumerate(teacher or [])}
+    inputs |= {"sampler": sampler} if sampler is not None else {}
     return inputs | ({"critic": critic} if critic is not None else {})

@@ -34,6 +34,7 @@ from posttrain_core.train.rl_batch import (
     encode,
     encode_shared,
     pad,
+    pad_topk,
     response_logprobs,
 )
 from posttrain_core.train.rl_state import load_trainer_state, optimizer_settings, save_update
@@ -227,6 +228,9 @@ class RLWorker:
             values=pad(targets.old_values, width) if targets.old_values else None,
             mask=mask,
             correct=torch.tensor([float(c) for c in batch.correct]),
+            teacher=pad(batch.teacher_logp, width) if batch.teacher_logp is not None else None,
+            teacher_ids=pad_topk(batch.teacher_topk_ids, width, torch.long) if batch.teacher_topk_ids else None,
+            teacher_topk=pad_topk(batch.teacher_topk_logp, width) if batch.teacher_topk_logp else None,
         )
         stats = UpdateStats()
         self._checks = LogpChecks() if targets.old_logp is None and self.job.train_policy else None
@@ -275,6 +279,7 @@ class RLWorker:
             "value_loss": stats.value_loss / steps,
             "vf_clip_frac": stats.vf_clip_sum / tok,
             "nll_loss": stats.nll_loss / steps,
+            "distill_loss": stats.distill_loss / steps,
             # the share of the policy's sequence tokens that shared prompts spared from running (`encode_shared`)
             "prompt_tokens_shared_frac": 1.0 - stats.seq_tokens_run / max(stats.seq_tokens, 1.0),
             "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
@@ -283,6 +288,8 @@ class RLWorker:
             "update_s": time.time() - t0,
             "peak_rss_mb": peak_rss_mb(),
         }
+        if full.teacher_ids is not None:  # the student's agreement with the teacher's top-k, as it was sampled
+            metrics |= {"student_mass": stats.student_mass_sum / tok, "topk_overlap": stats.topk_overlap_sum / tok}
         if checks is not None:  # what `prepare` would have reported
             metrics |= checks.metrics()
         self._next_kl_coef = targets.next_kl_coef
@@ -300,6 +307,7 @@ class RLWorker:
         """Forward + backward of one micro-batch; returns its share of the stats."""
         import torch
 
+        from posttrain_core.algorithms.distill import topk_agreement
         from posttrain_core.algorithms.losses import kl_estimate, policy_loss, value_loss
         from posttrain_core.models.critic import token_values
 
@@ -319,8 +327,12 @@ class RLWorker:
         scale = float(self.world)  # DDP averages gradients over ranks; our losses are already global sums
         if self.job.train_policy:
             no_sync = contextlib.nullcontext() if sync else self.ddp_policy.no_sync()
+            top = full.teacher_ids[rows, :R] if full.teacher_ids is not None else None
             with no_sync, self._autocast():
-                scores = response_logprobs(self.ddp_policy, ids, attn, pos, labels, shared, entropy=True)
+                scores = response_logprobs(
+                    self.ddp_policy, ids, attn, pos, labels, shared, entropy=True, gather=top,
+                    topk=top.shape[-1] if top is not None else 0,
+                )  # fmt: skip
                 logp, entropy = scores.logp, scores.entropy
                 if old is None:  # the only optimizer step on this batch: these weights sampled it
                     old = logp.detach()
@@ -333,6 +345,10 @@ class RLWorker:
                     loss = loss + kl_term
                 if cfg.entropy_coef > 0:
                     loss = loss - cfg.entropy_coef * settings.aggregate(entropy, m)
+                distill = torch.zeros(())
+                if cfg.distill_loss_coef > 0:
+                    distill = settings.aggregate(self._divergence(logp, scores.gathered, full, rows, R), m)
+                    loss = loss + cfg.distill_loss_coef * distill
                 nll = torch.zeros(())
                 if cfg.nll_coef > 0 and nll_tokens > 0:
                     nll = -(logp * m * full.correct[rows, None]).sum() / nll_tokens
@@ -340,6 +356,9 @@ class RLWorker:
                 (loss * scale).backward()
             n_tok = float(m.sum())
             out.pg_loss, out.kl_loss, out.nll_loss = pg.item(), kl_term.item(), cfg.nll_coef * nll.item()
+            out.distill_loss = distill.item()
+            if top is not None:
+                out.student_mass_sum, out.topk_overlap_sum = topk_agreement(scores.gathered, scores.topk_ids, top, m)
             out.entropy_sum = float((entropy.detach() * m).sum())
             out.clip_sum = float(info.get("clip_frac", 0.0)) * n_tok
             out.approx_kl_sum = float(info.get("approx_kl", 0.0)) * n_tok
@@ -354,6 +373,17 @@ class RLWorker:
             out.value_loss = vl.item()
             out.vf_clip_sum = float(vinfo.get("vf_clip_frac", 0.0)) * float(m.sum())
         return out
+
+    def _divergence(self, logp, gathered, full: _Full, rows: list[int], R: int):
+        """Per-token supervised divergence to the teacher (`algorithms.distill.DIVERGENCES`), B x R with graph."""
+        from posttrain_core.algorithms.distill import DIVERGENCES, DistillInputs
+
+        d = self.cfg.distill
+        inputs = DistillInputs(
+            logp, full.teacher[rows, :R], gathered,
+            full.teacher_topk[rows, :R] if full.teacher_topk is not None else None, d.beta,
+        )  # fmt: skip
+        return DIVERGENCES[d.divergence](inputs)
 
     def policy_weights(self) -> dict[str, Any] | None:
         """The updated policy's weights as numpy arrays (zero-copy in Ray's object store), for rollout engines that
@@ -395,6 +425,9 @@ class _Full:
     values: Any | None
     mask: Any
     correct: Any
+    teacher: Any | None = None  # the teacher's log-probs of the sampled tokens (rl.distill)
+    teacher_ids: Any | None = None  # B x width x K: its top-k tokens
+    teacher_topk: Any | None = None  # B x width x K: their log-probs
 
 
 def _dropout_active(model) -> bool:
