@@ -116,3 +116,94 @@ def test_both_forms_converge_on_a_free_logits_table(form):
         loss.backward()
         opt.step()
     assert kl(theta.log_softmax(-1), teacher).item() < 1e-3
+
+
+# ------------------------------------------------------------------------------ alignment on a real model
+@pytest.fixture(scope="module")
+def peaked(tiny_inputs, tmp_path_factory):
+    """(model folder, a batch of its own rollouts): the tiny model with its output layer scaled up, so that its
+    next-token distributions are peaked and a one-token shift of its log-probs changes them a lot."""
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.models.loading import load_causal_lm, load_tokenizer
+    from posttrain_core.rollout.engine import SamplingSettings
+    from posttrain_core.rollout.hf_engine import HFEngine
+
+    store, data, base = tiny_inputs
+    model = load_causal_lm(store.local_path(base))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)
+    folder = tmp_path_factory.mktemp("peaked")
+    model.save_pretrained(folder)
+    load_tokenizer(store.local_path(base)).save_pretrained(folder)
+    engine = HFEngine(str(folder))
+    prompts = read_dataset(store.local_path(data.prompts), "prompts").slice(0, 4)
+    return engine, engine.generate(prompts, SamplingSettings(n=2, max_tokens=8, seed=3))
+
+
+def _pad(rows, value=0.0):
+    from posttrain_core.train.rl_batch import pad
+
+    return pad(rows, max(len(r) for r in rows), value)
+
+
+def _gaps(engine, rollouts, shift: int) -> tuple[float, float]:
+    """(largest |advantage|, largest per-token JSD) when `engine` scores its own rollouts as the teacher, its
+    columns shifted by `shift` tokens (0: aligned)."""
+    from posttrain_core.train.rl_batch import encode, pad_topk, response_logprobs
+
+    cols = engine.score(rollouts.select(["prompt_ids", "response_ids"]), topk=8).to_pydict()
+    roll = (lambda row: row[shift:] + row[:shift]) if shift else (lambda row: row)  # noqa: E731
+    teacher = [roll(r) for r in cols["teacher_logprobs"]]
+    ids = [roll(r) for r in cols["teacher_topk_ids"]]
+    top = [roll(r) for r in cols["teacher_topk_logprobs"]]
+    responses = rollouts.column("response_ids").to_pylist()
+    mask = _pad([[1.0] * len(r) for r in responses])
+    adv = opd_advantages(_pad(rollouts.column("logprobs").to_pylist()), _pad(teacher), mask)
+    rows = type("Rows", (), {})()
+    rows.prompt_ids, rows.response_ids = rollouts.column("prompt_ids").to_pylist(), responses
+    rows.response_mask = [[1] * len(r) for r in responses]
+    width = mask.shape[1]
+    input_ids, attn, pos, labels, _ = encode(rows, list(range(len(responses))), engine.pad_id)
+    with torch.no_grad():
+        student = response_logprobs(engine.model, input_ids, attn, pos, labels, gather=pad_topk(ids, width, torch.long))
+    jsd = DIVERGENCES["jsd"](DistillInputs(student.logp, _pad(teacher), student.gathered, pad_topk(top, width)))
+    return float((adv * mask).abs().max()), float((jsd * mask).abs().max())
+
+
+def test_a_teacher_that_is_a_copy_of_the_student_gives_zero_advantage_and_loss(peaked):
+    engine, rollouts = peaked
+    adv, loss = _gaps(engine, rollouts, shift=0)
+    # 0 up to float rounding: the engine's log-probs come from its KV-cached decode, the teacher's from one forward
+    assert adv < 1e-4 and loss < 1e-5, (adv, loss)
+
+
+def test_the_same_teacher_shifted_by_one_token_is_caught(peaked):
+    """The classic off-by-one of teacher log-probs (vLLM's prompt_logprobs[i] scores token i, not i + 1): the
+    alignment test above must fail on it."""
+    engine, rollouts = peaked
+    adv, loss = _gaps(engine, rollouts, shift=1)
+    assert adv > 0.5 and loss > 0.05, (adv, loss)
+
+
+def test_tool_tokens_get_no_teacher_signal():
+    """Multi-turn rows: the teacher stage zeroes its log-probs on tool tokens (mask 0); the advantage and the
+    masked divergence there are 0 whatever the two models say."""
+    import pyarrow as pa
+
+    from posttrain_core.algorithms.losses import aggregate
+    from posttrain_core.rollout.teacher import _masked
+
+    table = pa.table({
+        "response_mask": pa.array([[1, 0, 0, 1], None], pa.list_(pa.int8())),
+        "teacher_logprobs": pa.array([[-1.0, -2.0, -3.0, -4.0], [-1.0]], pa.list_(pa.float32())),
+    })  # fmt: skip
+    assert _masked(table).column("teacher_logprobs").to_pylist() == [[-1.0, 0.0, 0.0, -4.0], [-1.0]]
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    sampled, teacher = torch.tensor([[-0.5, -9.0, -9.0, -1.0]]), torch.tensor([[-1.0, 0.0, 0.0, -4.0]])
+    adv = opd_advantages(sampled, teacher, mask, discount=0.9)
+    assert adv[0, 1] == 0 and adv[0, 2] == 0 and adv[0, 0] != 0
+    s = torch.randn(1, 4, 3).log_softmax(-1).requires_grad_()
+    t = torch.randn(1, 4, 3).log_softmax(-1)
+    per_token = DIVERGENCES["jsd"](DistillInputs(sampled, teacher, s, t))
+    aggregate(per_token, mask, "token-mean").backward()
+    assert s.grad[0, 1].abs().sum() == 0 and s.grad[0, 2].abs().sum() == 0 and s.grad[0, 0].abs().sum() > 0
