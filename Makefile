@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: demo demo-real demo-tools test test-fast server install vllm-env clean bench
+.PHONY: demo demo-real demo-distill demo-tools test test-fast server install vllm-env clean bench
 
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
@@ -31,6 +31,11 @@ demo: $(STAMP)
 # The same pipeline on a real pretrained model: GRPO with LoRA on SmolLM2-135M-Instruct (docs/real-model.md).
 demo-real: $(STAMP)
 	$(PY) -m flows.real
+
+# On-policy distillation: the base SmolLM2 learns from demo-real's policy, trained first if the store has none
+# (docs/distillation.md).
+demo-distill: $(STAMP)
+	$(PY) -m flows.distill
 
 # Multi-turn RL with tools: the tiny model learns when and how to call a tool (docs/tools.md).
 demo-tools: $(STAMP)

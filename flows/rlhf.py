@@ -57,7 +57,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         rm = reward_model(config.reward_model, data.preferences, start, root, pid) if config.reward_model else None
         evals = {0: _evaluate(config, data.eval, start, 0, root, pid, w)}
 
-        policy, critic = start, None
+        policy, critic, policies = start, None, [start]
         if rl.uses_critic and rl.value_pretrain_steps:
             samples = rollout(iteration_rollout(config.rollout, 0), data.prompts, start, 0, root, pid, w)
             critic = value_pretrain(config.rl, score(score_cfg, samples, rm, 0, root, pid), start, root, pid, w)
@@ -73,6 +73,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             by = sampler if sampler is not policy else None
             policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid, w, nxt, scores, by)
             critic = policy if rl.uses_critic else None
+            policies.append(policy)
             metrics = store.manifest(policy)["metrics"]
             run.log_metrics({f"rl/{name}": value for name, value in metrics.items()}, step=k)
             sampled_metrics = store.manifest(samples[-1])["metrics"] if config.rollout.tools else None
@@ -100,6 +101,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
     return {
         "policy": policy,
         "start": start,
+        "policies": policies,  # the start, then each iteration's
         "curve": curve,
         "timings": timings,
         "accuracy": accuracy,

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-DEPLOYMENTS = {"sft/demo", "preference/rm-demo", "rlhf/grpo-demo", "rlhf/ppo-demo", "eval/latest", "serve/tinker"}
+DEPLOYMENTS = {
+    "sft/demo", "preference/rm-demo", "rlhf/grpo-demo", "rlhf/ppo-demo", "rlhf/opd-demo", "eval/latest", "serve/tinker"
+}  # fmt: skip
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -172,6 +174,10 @@ def test_deployments_register_with_paused_schedules_and_a_parameter_form(server)
         assert "config" in d["parameter_openapi_schema"]["properties"], name  # the UI's form
     assert by_name["preference/rm-demo"]["parameters"]["config"]["dpo"] is None
     assert by_name["rlhf/ppo-demo"]["parameters"]["config"]["rl"]["algorithm"] == "ppo"
+    from posttrain_core.config import RLHFFlowConfig
+
+    opd = RLHFFlowConfig.model_validate(by_name["rlhf/opd-demo"]["parameters"]["config"])  # a config the flow takes
+    assert opd.rl.algorithm == "opd" and opd.rl.distill.teacher == "latest:rl_update"
     assert by_name["eval/latest"]["parameters"]["config"]["models"] == ["latest:sft", "latest:rl_update"]
     assert by_name["serve/tinker"]["parameters"]["config"]["base_models"] == {"posttrain/sft": "latest:sft"}
 
