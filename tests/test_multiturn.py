@@ -213,7 +213,7 @@ def test_the_log_prob_gap_is_reported_per_assistant_turn():
     """Assistant turns are the runs of mask-1 tokens; tool tokens (mask 0) never count, whatever their values."""
     import torch
 
-    from posttrain_core.train.rl_batch import LogpChecks
+    from posttrain_core.train.rl_stats import LogpChecks
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 1.0], [1, 1, 1, 0, 0, 0, 0, 0, 0]])
     trainer = torch.tensor([[0.1, 0.1, 9, 9, 0.2, 0.2, 0.2, 9, 0.3], [0.1, 0.1, 0.1, 5, 5, 5, 5, 5, 5]])

@@ -1,5 +1,5 @@
-"""What crosses between the RL update's driver and its ranks (the batch, the job, the targets), the sums the ranks
-reduce, and the batch's tensors.
+"""What crosses between the RL update's driver and its ranks (the batch, the job, the targets), and the batch's
+tensors.
 
 Tensors live in "response coordinates": row b, column j is response token j, predicted by the logits at sequence
 position len(prompt_b) + j - 1; `response_mask` is 1 on tokens the policy generated (0 on padding and tool output).
@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from posttrain_core.config import RLConfig
 from posttrain_core.train.loop import IGNORE
+from posttrain_core.train.rl_stats import LogpChecks
 
 if TYPE_CHECKING:
     from posttrain_core.artifacts import ArtifactRef, ArtifactStore
@@ -97,122 +98,6 @@ class Targets:
     kl_coef: float  # beta of the KL loss term (in-reward KL is already in the advantages)
     next_kl_coef: float  # stored with the new policy (adaptive KL)
     ref_in_update: bool = False  # the driver skipped `prepare`: each micro-step computes its rows' reference log-probs
-
-
-TURN_BINS = 4  # the per-turn log-prob gap: turns 1, 2, 3, and 4 with every later turn
-
-
-@dataclass
-class LogpChecks:
-    """Sums over policy tokens of the engine-vs-trainer log-prob gap (overall and per assistant turn) and of the KL
-    to the reference, as the trainer sees the sampled batch (old log-probs): the silent failures of RL that every
-    update reports."""
-
-    turn_tokens: list[float] = dataclasses.field(default_factory=lambda: [0.0] * TURN_BINS)
-    turn_mismatch: list[float] = dataclasses.field(default_factory=lambda: [0.0] * TURN_BINS)
-    mismatch_max: float = 0.0
-    ref_tokens: float = 0.0
-    k1_sum: float = 0.0
-    k3_sum: float = 0.0
-
-    @property
-    def tokens(self) -> float:
-        return sum(self.turn_tokens)
-
-    @property
-    def mismatch_sum(self) -> float:
-        return sum(self.turn_mismatch)
-
-    def add(self, logprobs_B_R: Any, old_logp_B_R: Any, ref_logp_B_R: Any | None, response_mask_B_R: Any) -> None:
-        """Add rows: the engine's log-probs, the trainer's old ones, the reference's (or None), the response mask."""
-        from posttrain_core.algorithms.losses import kl_estimate
-
-        m_B_R = response_mask_B_R
-        gap = (logprobs_B_R - old_logp_B_R).abs() * m_B_R
-        self.mismatch_max = max(self.mismatch_max, float(gap.max()) if gap.numel() else 0.0)
-        # assistant turns are the runs of mask-1 tokens: a run starts where the mask rises from 0 (or at column 0)
-        rises = m_B_R.clone()
-        rises[:, 1:] = (m_B_R[:, 1:] > m_B_R[:, :-1]).to(m_B_R.dtype)
-        turn_B_R = (rises.cumsum(dim=1) - 1).clamp(0, TURN_BINS - 1)
-        for b in range(TURN_BINS):
-            sel = m_B_R * (turn_B_R == b)
-            self.turn_tokens[b] += float(sel.sum())
-            self.turn_mismatch[b] += float((gap * sel).sum())
-        if ref_logp_B_R is not None:
-            self.ref_tokens += float(m_B_R.sum())
-            self.k1_sum += float((kl_estimate(old_logp_B_R, ref_logp_B_R, "k1") * m_B_R).sum())
-            self.k3_sum += float((kl_estimate(old_logp_B_R, ref_logp_B_R, "k3") * m_B_R).sum())
-
-    def _sums(self) -> list[float]:
-        return [*self.turn_tokens, *self.turn_mismatch, self.ref_tokens, self.k1_sum, self.k3_sum]
-
-    @staticmethod
-    def _of(sums: list[float], mismatch_max: float) -> LogpChecks:
-        turns, (ref_tokens, k1, k3) = sums[: 2 * TURN_BINS], sums[2 * TURN_BINS :]
-        return LogpChecks(turns[:TURN_BINS], turns[TURN_BINS:], mismatch_max, ref_tokens, k1, k3)
-
-    @staticmethod
-    def merge(parts: list[LogpChecks]) -> LogpChecks | None:
-        if not parts:
-            return None
-        sums = [sum(v) for v in zip(*(p._sums() for p in parts), strict=True)]
-        return LogpChecks._of(sums, max(p.mismatch_max for p in parts))
-
-    def all_reduce(self) -> LogpChecks:
-        """Summed (the maximum: maxed) over the ranks of the process group."""
-        import torch
-        import torch.distributed as dist
-
-        sums = torch.tensor(self._sums(), dtype=torch.float64)
-        top = torch.tensor([self.mismatch_max], dtype=torch.float64)
-        dist.all_reduce(sums)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        return LogpChecks._of(sums.tolist(), float(top[0]))
-
-    def metrics(self) -> dict[str, float]:
-        out = {
-            "logp_mismatch_mean": self.mismatch_sum / max(self.tokens, 1.0),
-            "logp_mismatch_max": self.mismatch_max,
-        }
-        if self.turn_tokens[1]:  # multi-turn rows: the gap per assistant turn (a template or masking bug shows here)
-            for b, (n, x) in enumerate(zip(self.turn_tokens, self.turn_mismatch, strict=True)):
-                if n:
-                    out[f"logp_mismatch_mean/turn{b + 1}"] = x / n  # turn4: the 4th and later turns
-        if self.ref_tokens:
-            out |= {"kl_k1": self.k1_sum / self.ref_tokens, "kl_k3": self.k3_sum / self.ref_tokens}
-        return out
-
-
-@dataclass
-class UpdateStats:
-    """Sums over a rank's micro-steps, summed over ranks at the end of the update."""
-
-    pg_loss: float = 0.0  # per optimizer step (the losses are already means over the mini-batch)
-    kl_loss: float = 0.0
-    value_loss: float = 0.0
-    nll_loss: float = 0.0
-    entropy_sum: float = 0.0  # per policy token
-    clip_sum: float = 0.0
-    approx_kl_sum: float = 0.0
-    vf_clip_sum: float = 0.0
-    tokens: float = 0.0  # policy tokens
-    seq_tokens: float = 0.0  # tokens of the policy's forward passes in full, and of them actually run (shared prompts)
-    seq_tokens_run: float = 0.0
-    distill_loss: float = 0.0  # per optimizer step, as pg_loss
-    student_mass_sum: float = 0.0  # per policy token with the teacher's top-k
-    topk_overlap_sum: float = 0.0
-
-    def add(self, other: UpdateStats) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def all_reduce(self) -> UpdateStats:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(dataclasses.astuple(self), dtype=torch.float64)
-        dist.all_reduce(t)
-        return UpdateStats(*t.tolist())
 
 
 # --------------------------------------------------------------------------------------------- reading the batch
@@ -354,6 +239,43 @@ def pad_topk(rows: list[list[list[float]]], width: int, dtype: Any = None):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=out.dtype)
     return out
+
+
+@dataclass(frozen=True)
+class BatchTensors:
+    """The whole batch's per-token tensors (B x width) that the update's micro-steps slice."""
+
+    adv: Any
+    old: Any | None
+    logprobs: Any | None  # the engine's, when the update checks its own old log-probs against them
+    ref: Any | None
+    returns: Any | None
+    values: Any | None
+    mask: Any
+    correct: Any
+    teacher: Any | None = None  # the teacher's log-probs of the sampled tokens (rl.distill)
+    teacher_ids: Any | None = None  # B x width x K: its top-k tokens
+    teacher_topk: Any | None = None  # B x width x K: their log-probs
+
+    @staticmethod
+    def of(batch: RLBatch, targets: Targets) -> BatchTensors:
+        import torch
+
+        width = max(1, max(len(r) for r in batch.response_ids))
+        return BatchTensors(
+            adv=pad(targets.advantages, width),
+            old=pad(targets.old_logp, width) if targets.old_logp is not None else None,
+            # without old log-probs from `prepare`, the update itself checks them against the engine's
+            logprobs=pad(batch.logprobs, width) if targets.old_logp is None else None,
+            ref=pad(targets.ref_logp, width) if targets.ref_logp else None,
+            returns=pad(targets.returns, width) if targets.returns else None,
+            values=pad(targets.old_values, width) if targets.old_values else None,
+            mask=pad([[float(x) for x in m] for m in batch.response_mask], width),
+            correct=torch.tensor([float(c) for c in batch.correct]),
+            teacher=pad(batch.teacher_logp, width) if batch.teacher_logp is not None else None,
+            teacher_ids=pad_topk(batch.teacher_topk_ids, width, torch.long) if batch.teacher_topk_ids else None,
+            teacher_topk=pad_topk(batch.teacher_topk_logp, width) if batch.teacher_topk_logp else None,
+        )
 
 
 def encode(batch: Any, rows: list[int], pad_id: int):

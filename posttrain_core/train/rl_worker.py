@@ -19,25 +19,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from posttrain_core.train.loop import data_parallel, peak_rss_mb
 from posttrain_core.train.rl_batch import (
-    LogpChecks,
+    BatchTensors,
     Prepared,
     RLBatch,
     RLJob,
     Targets,
-    UpdateStats,
     chunks,
     encode,
     encode_shared,
     pad,
-    pad_topk,
     response_logprobs,
 )
 from posttrain_core.train.rl_state import load_trainer_state, optimizer_settings, save_update
+from posttrain_core.train.rl_stats import LogpChecks, UpdateStats
 
 
 class RLWorker:
@@ -216,22 +214,8 @@ class RLWorker:
         from posttrain_core.train.loop import optimizer_step
 
         cfg, world = self.cfg, self.world
-        width = max(1, max(len(r) for r in batch.response_ids))
-        mask = pad([[float(x) for x in m] for m in batch.response_mask], width)
-        full = _Full(
-            adv=pad(targets.advantages, width),
-            old=pad(targets.old_logp, width) if targets.old_logp is not None else None,
-            # without old log-probs from `prepare`, the update itself checks them against the engine's
-            logprobs=pad(batch.logprobs, width) if targets.old_logp is None else None,
-            ref=pad(targets.ref_logp, width) if targets.ref_logp else None,
-            returns=pad(targets.returns, width) if targets.returns else None,
-            values=pad(targets.old_values, width) if targets.old_values else None,
-            mask=mask,
-            correct=torch.tensor([float(c) for c in batch.correct]),
-            teacher=pad(batch.teacher_logp, width) if batch.teacher_logp is not None else None,
-            teacher_ids=pad_topk(batch.teacher_topk_ids, width, torch.long) if batch.teacher_topk_ids else None,
-            teacher_topk=pad_topk(batch.teacher_topk_logp, width) if batch.teacher_topk_logp else None,
-        )
+        full = BatchTensors.of(batch, targets)
+        mask = full.mask
         stats = UpdateStats()
         self._checks = LogpChecks() if targets.old_logp is None and self.job.train_policy else None
         grad_norms, critic_norms, t0 = [], [], time.time()
@@ -302,7 +286,7 @@ class RLWorker:
         return metrics
 
     def _micro_step(
-        self, batch: RLBatch, rows: list[int], full: _Full, targets: Targets, settings: Any, nll_tokens: float, sync
+        self, batch: RLBatch, rows: list[int], full: BatchTensors, targets: Targets, settings: Any, nll_tokens: float, sync
     ) -> UpdateStats:
         """Forward + backward of one micro-batch; returns its share of the stats."""
         import torch
@@ -374,7 +358,7 @@ class RLWorker:
             out.vf_clip_sum = float(vinfo.get("vf_clip_frac", 0.0)) * float(m.sum())
         return out
 
-    def _divergence(self, logp, gathered, full: _Full, rows: list[int], R: int):
+    def _divergence(self, logp, gathered, full: BatchTensors, rows: list[int], R: int):
         """Per-token supervised divergence to the teacher (`algorithms.distill.DIVERGENCES`), B x R with graph."""
         from posttrain_core.algorithms.distill import DIVERGENCES, DistillInputs
 
@@ -411,23 +395,6 @@ class RLWorker:
             state.update(critic_optimizer=self.critic_opt.state_dict(), critic_scheduler=self.critic_sched.state_dict())
         policy = self.policy if self.job.train_policy else None
         return save_update(self.job.outdir, policy, self.tokenizer, self.critic, state)
-
-
-@dataclass(frozen=True)
-class _Full:
-    """The whole batch's per-token tensors (B x width) that the micro-steps slice."""
-
-    adv: Any
-    old: Any | None
-    logprobs: Any | None  # the engine's, when the update checks its own old log-probs against them
-    ref: Any | None
-    returns: Any | None
-    values: Any | None
-    mask: Any
-    correct: Any
-    teacher: Any | None = None  # the teacher's log-probs of the sampled tokens (rl.distill)
-    teacher_ids: Any | None = None  # B x width x K: its top-k tokens
-    teacher_topk: Any | None = None  # B x width x K: their log-probs
 
 
 def _dropout_active(model) -> bool:
