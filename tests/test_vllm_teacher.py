@@ -138,3 +138,25 @@ def test_topk_zero_and_limits(engine, rows):
         _call(engine, "score", too_long, 0)
     empty = _call(engine, "score", pa.table({"prompt_ids": [[5]], "response_ids": [[]]}, schema=rows.schema), TOPK)
     assert empty.to_pylist() == [{"teacher_logprobs": [], "teacher_topk_ids": [], "teacher_topk_logprobs": []}]
+
+
+def test_the_teacher_stage_on_vllm_publishes_what_the_hf_engine_does(tiny_inputs, ray_session, vllm_or_skip):
+    """The teacher_logprobs stage on each engine, over the same rollouts of the tiny base: the engine is part of the
+    key, and the two artifacts hold the same log-probs."""
+    from posttrain_core.config import DistillConfig
+    from posttrain_core.data.io import read_dataset
+    from posttrain_core.rollout.stage import run_rollout
+    from posttrain_core.rollout.teacher import run_teacher_logprobs
+
+    store, data, base = tiny_inputs
+    rollouts = run_rollout(RolloutConfig(n=2, max_prompts=4, max_tokens=8, num_engines=1), data.prompts, base, store)
+    on_vllm = DistillConfig(topk=TOPK, engine="vllm")
+    vllm_or_skip(on_vllm)
+    refs = {e: run_teacher_logprobs(DistillConfig(topk=TOPK, engine=e), rollouts, base, store) for e in ("hf", "vllm")}
+    assert refs["hf"].key != refs["vllm"].key and store.manifest(refs["vllm"])["engine"] == "vllm"
+    hf, vl = (read_dataset(store.local_path(refs[e]), "teacher_logprobs").to_pydict() for e in ("hf", "vllm"))
+    assert hf["response_ids"] == vl["response_ids"]
+    for name in ("teacher_logprobs", "teacher_topk_logprobs"):  # top-k values: the random model's near-ties may
+        a = torch.tensor([x for row in hf[name] for x in row])  # order its ids differently, not their values
+        b = torch.tensor([x for row in vl[name] for x in row])
+        assert (a - b).abs().max() < 1e-3, (name, float((a - b).abs().max()))
