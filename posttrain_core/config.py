@@ -562,7 +562,7 @@ class RLConfig(_Config):
             raise ValueError(f"rl.algorithm='{self.algorithm}' learns from a teacher: set rl.distill.teacher")
         if (self.advantage or self.preset("advantage")) == "opd" and self.distill is None:
             raise ValueError("rl.advantage='opd' needs the teacher's log-probs: set rl.distill.teacher")
-        if (self.advantage or self.preset("advantage")) == "opd" and not self.distill.student_samples(0, 0):
+        if (self.advantage or self.preset("advantage")) == "opd" and (self.distill.seq_kd or self.distill.lmbda < 1):
             raise ValueError(
                 "on-policy distillation (advantage 'opd') scores the student's own samples: leave rl.distill.lmbda at "
                 "1 and seq_kd off (the teacher's samples are for a supervised divergence, e.g. algorithm='gkd')"

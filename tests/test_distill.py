@@ -207,3 +207,32 @@ def test_tool_tokens_get_no_teacher_signal():
     per_token = DIVERGENCES["jsd"](DistillInputs(sampled, teacher, s, t))
     aggregate(per_token, mask, "token-mean").backward()
     assert s.grad[0, 1].abs().sum() == 0 and s.grad[0, 2].abs().sum() == 0 and s.grad[0, 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "algorithm, distill, message",
+    [
+        ("opd", None, "learns from a teacher: set rl.distill.teacher"),
+        ("gkd", {"divergence": "k1"}, "'k1' as a supervised loss: its expected gradient is 0"),
+        ("grpo", {"divergence": "k1", "loss_coef": 0.5}, "'k1' as a supervised loss"),
+        ("gkd", {"topk": 0}, "compares distributions on the teacher's top-k tokens: set rl.distill.topk > 0"),
+        ("opd", {"lmbda": 0.99}, "scores the student's own samples"),
+        ("opd", {"seq_kd": True}, "scores the student's own samples"),
+    ],
+)
+def test_a_distillation_config_that_cannot_work_is_refused_naming_the_field(algorithm, distill, message):
+    from pydantic import ValidationError
+
+    from posttrain_core.config import DistillConfig, RLConfig
+
+    with pytest.raises(ValidationError, match=message):
+        RLConfig(algorithm=algorithm, distill=DistillConfig(teacher="t", **distill) if distill is not None else None)
+
+
+def test_the_teacher_stage_key_ignores_the_loss_settings():
+    from posttrain_core.config import DistillConfig
+
+    a = DistillConfig(teacher="a", beta=0.1, coef=2.0, divergence="k3", lmbda=0.5)
+    assert a.scoring() == DistillConfig(teacher="b").scoring()  # a rerun with another loss reuses the scores
+    assert DistillConfig(topk=4).scoring() != DistillConfig(topk=8).scoring()
+    assert DistillConfig(engine="vllm").scoring() != DistillConfig().scoring()
