@@ -340,9 +340,10 @@ class DistillConfig(_Config):
         "'latest:STAGE', a model artifact's key or a tinker:// checkpoint; it must share the student's tokenizer",
     )
     topk: int = Field(
-        16, ge=0, le=64,
+        16, ge=0,
         description="teacher tokens kept per position with their log-probs (0: the sampled token's only); the "
-        "supervised divergences compare the two distributions on them plus one bucket for the rest",
+        "supervised divergences compare the two distributions on them plus one bucket for the rest, exactly with "
+        "topk = the vocabulary size (hf engine; vLLM returns at most 64)",
     )  # fmt: skip
     coef: float = Field(
         1.0, gt=0, description="on-policy distillation: A_t = -coef (log pi_student(y_t) - log pi_teacher(y_t))"
@@ -381,6 +382,13 @@ class DistillConfig(_Config):
         None, description="python of the vLLM environment (default: $POSTTRAIN_VLLM_PYTHON or .venv-vllm/bin/python)"
     )
 
+    @model_validator(mode="after")
+    def _check(self) -> DistillConfig:
+        if self.engine == "vllm" and self.topk > VLLM_MAX_TOPK:
+            raise ValueError(f"distill.topk={self.topk}: the vLLM engine returns at most {VLLM_MAX_TOPK} log-probs per "
+                             "position; use engine='hf' for more")  # fmt: skip
+        return self
+
     def scoring(self) -> DistillConfig:
         """Only what the teacher_logprobs stage uses (its key): another loss setting reuses the teacher's log-probs."""
         return DistillConfig(**{name: getattr(self, name) for name in _SCORING_FIELDS})
@@ -395,6 +403,7 @@ class DistillConfig(_Config):
         return self.lmbda >= 1.0 or random.Random(seed * 1_000_003 + iteration).random() < self.lmbda
 
 
+VLLM_MAX_TOPK = 64  # the vLLM engine's max_logprobs (`vllm_engine.MAX_TOPK`)
 _SCORING_FIELDS = ("topk", "engine", "num_engines", "batch_size", "dtype", "vllm_python")
 
 Algorithm = Literal[

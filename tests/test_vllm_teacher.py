@@ -160,3 +160,15 @@ def test_the_teacher_stage_on_vllm_publishes_what_the_hf_engine_does(tiny_inputs
         a = torch.tensor([x for row in hf[name] for x in row])  # order its ids differently, not their values
         b = torch.tensor([x for row in vl[name] for x in row])
         assert (a - b).abs().max() < 1e-3, (name, float((a - b).abs().max()))
+
+
+def test_the_config_bound_on_top_k_is_the_engines():
+    from pydantic import ValidationError
+
+    from posttrain_core.config import VLLM_MAX_TOPK, DistillConfig
+    from posttrain_core.rollout.vllm_engine import MAX_TOPK
+
+    assert VLLM_MAX_TOPK == MAX_TOPK
+    DistillConfig(topk=512)  # the hf engine: any k, up to the whole vocabulary (the exact divergence)
+    with pytest.raises(ValidationError, match="distill.topk=65: the vLLM engine returns at most 64"):
+        DistillConfig(topk=MAX_TOPK + 1, engine="vllm")

@@ -21,7 +21,8 @@ from posttrain_core.env import apply_engine_defaults
 from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SINGLE_TURN, SamplingSettings
 
 # The most top-k log-probs `score` returns per position: vLLM refuses more than `max_logprobs` (LLM constructor,
-# default 20), so the engine is built with this bound (DistillConfig.topk's too).
+# default 20), so the engine is built with this bound. config.VLLM_MAX_TOPK holds the same number (DistillConfig
+# refuses a larger topk for vLLM before any work); this module, imported in the vLLM environment, imports no config.
 MAX_TOPK = 64
 # Ranks vLLM's LoRA layers are built for (`LoRAConfig.max_lora_rank`).
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
