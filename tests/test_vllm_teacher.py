@@ -140,6 +140,7 @@ def test_topk_zero_and_limits(engine, rows):
     assert empty.to_pylist() == [{"teacher_logprobs": [], "teacher_topk_ids": [], "teacher_topk_logprobs": []}]
 
 
+@pytest.mark.slow
 def test_the_teacher_stage_on_vllm_publishes_what_the_hf_engine_does(tiny_inputs, ray_session, vllm_or_skip):
     """The teacher_logprobs stage on each engine, over the same rollouts of the tiny base: the engine is part of the
     key, and the two artifacts hold the same log-probs."""
