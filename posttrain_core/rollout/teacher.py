@@ -117,7 +117,7 @@ def run_teacher_logprobs(
         table = read_dataset(store.local_path(rollouts), rollouts.schema_kind).select(_ROLLOUT_NAMES)
         started = time.perf_counter()
         with WarmGroup.use(warm, STAGE) as group:
-            pool = EnginePool(group, _spec(scoring), role=ROLE)
+            pool = EnginePool(group, EngineSpec.of(scoring), role=ROLE)
             load = pool.serve(teacher_path, teacher.digest)
             parts = pool.score(score_batches(table, scoring.batch_size), scoring.topk)
         seconds = time.perf_counter() - started
@@ -135,10 +135,6 @@ def run_teacher_logprobs(
     return run_stage(
         STAGE, scoring, teacher_inputs(rollouts, teacher), store, "dataset", build, schema_kind="teacher_logprobs"
     )
-
-
-def _spec(cfg: DistillConfig) -> EngineSpec:
-    return EngineSpec(cfg.engine, cfg.dtype, cfg.num_engines, cfg.vllm_python)
 
 
 def _masked(table: pa.Table) -> pa.Table:

@@ -5,7 +5,7 @@ log-probs need a pass of their own before the update."""
 from __future__ import annotations
 
 from posttrain_core.config import RLConfig
-from posttrain_core.train.rl_batch import Prepared, RLBatch, Targets, pad
+from posttrain_core.train.rl_batch import Prepared, RLBatch, Targets, pad, pad_topk
 
 
 def compute_targets(
@@ -93,14 +93,13 @@ def compute_targets(
 def teacher_metrics(batch: RLBatch, sampler_B_T, teacher_B_T, mask_B_T, width: int) -> dict[str, float]:
     """teacher_kl: the per-token reverse-KL estimate E[log pi(y) - log pi_teacher(y)] over the sampled tokens; with
     top-k, teacher_mass: the teacher's probability mass on its top-k tokens, per token."""
-    import torch
 
     from posttrain_core.algorithms.advantages import masked_mean
 
     out = {"teacher_kl": float(masked_mean(sampler_B_T - teacher_B_T, mask_B_T))}
     if batch.teacher_topk_logp is not None:
-        mass = [[float(torch.tensor(k).exp().sum()) if k else 0.0 for k in row] for row in batch.teacher_topk_logp]
-        out["teacher_mass"] = float(masked_mean(pad(mass, width), mask_B_T))
+        mass_B_T = pad_topk(batch.teacher_topk_logp, width).exp().sum(-1)
+        out["teacher_mass"] = float(masked_mean(mass_B_T, mask_B_T))
     return out
 
 
