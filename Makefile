@@ -43,12 +43,15 @@ demo-tools: $(STAMP)
 
 # The vLLM rollout engine's own environment (same Python and ray; vLLM pins fastapi/transformers versions that
 # conflict with Prefect's). Engine actors run in it through Ray's runtime_env.
-$(VLLM_STAMP): $(STAMP) scripts/vllm_env.sh
-	VLLM_VENV=$(VLLM_VENV) MAIN_VENV=$(VENV) bash scripts/vllm_env.sh
+# It needs nothing from the main venv (the same $(PYTHON), constraints.txt's pyarrow), so `make test` builds both at
+# once: installs wait on downloads and unpacking more than on the CPU.
+$(VLLM_STAMP): scripts/vllm_env.sh constraints.txt
+	VLLM_VENV=$(VLLM_VENV) MAIN_VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/vllm_env.sh
 
 vllm-env: $(VLLM_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP)
+test:
+	$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	POSTTRAIN_REQUIRE_VLLM=1 POSTTRAIN_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q -ra --durations=25
 
 test-fast: $(STAMP)

