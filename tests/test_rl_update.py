@@ -25,6 +25,16 @@ def sampled(tiny_inputs, ray_session):
     return store, base, run_rollout(cfg, data.prompts, base, store)
 
 
+@pytest.fixture(scope="module")
+def ranks(ray_session):
+    """The update's Ray ranks, started once for the module and handed to every update as a flow run hands its own
+    (`warm=`): each update still loads its policy from the store unless the ranks built it."""
+    from posttrain_core.cluster import WarmGroup
+
+    with WarmGroup.owned("tests-rl-update") as group:
+        yield group
+
+
 def _scored_with(store, rollouts, rewards_of, name: str):
     """Publish the rollouts as scored_rollouts with reward = rewards_of(sample_index)."""
     from posttrain_core.artifacts.keys import stage_key
@@ -71,7 +81,7 @@ def _sequence_logprobs(model_path: str, store, rollouts) -> list[float]:
     "algorithm,lora",
     [("grpo", False), ("ppo", False), ("reinforce_pp_baseline", True)],
 )
-def test_update_raises_rewarded_and_lowers_unrewarded_logprobs(sampled, algorithm, lora):
+def test_update_raises_rewarded_and_lowers_unrewarded_logprobs(sampled, algorithm, lora, ranks):
     from posttrain_core.config import LoraConfig, RLConfig
     from posttrain_core.models.loading import check_model_path
     from posttrain_core.train.rl_stage import run_rl_update
@@ -86,7 +96,7 @@ def test_update_raises_rewarded_and_lowers_unrewarded_logprobs(sampled, algorith
         micro_batch_size=4,
         lora=LoraConfig(r=4, alpha=8) if lora else None,
     )
-    new = run_rl_update(cfg, [scored], base, base, store)
+    new = run_rl_update(cfg, [scored], base, base, store, warm=ranks)
 
     before = _sequence_logprobs(str(store.local_path(base)), store, rollouts)
     after = _sequence_logprobs(str(store.local_path(new)), store, rollouts)
@@ -106,7 +116,7 @@ def test_update_raises_rewarded_and_lowers_unrewarded_logprobs(sampled, algorith
         assert metrics["kl_k1"] == 0.0 and metrics["kl_k3"] == 0.0
 
 
-def test_stale_rollouts_are_refused(sampled, tiny_inputs):
+def test_stale_rollouts_are_refused(sampled, tiny_inputs, ranks):
     """Samples of one policy given to the update of another: an error naming the row, nothing published."""
     from posttrain_core.config import RLConfig
     from posttrain_core.train.rl_stage import run_rl_update
@@ -114,10 +124,10 @@ def test_stale_rollouts_are_refused(sampled, tiny_inputs):
     store, base, rollouts = sampled
     scored = _scored_with(store, rollouts, lambda k: float(k % 2), "alt")
     cfg = RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8)
-    first = run_rl_update(cfg, [scored], base, base, store)
+    first = run_rl_update(cfg, [scored], base, base, store, warm=ranks)
     n_before = len(store.list())
     with pytest.raises(ValueError, match=r"row 0 was sampled by policy .* stale weights"):
-        run_rl_update(cfg, [scored], first, base, store)
+        run_rl_update(cfg, [scored], first, base, store, warm=ranks)
     assert len(store.list()) == n_before
 
 
@@ -158,7 +168,7 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
     assert reloaded.digest == b.digest  # policy weights, Adam moments and step: identical
 
 
-def test_reference_log_probs_computed_inside_the_update_match_the_separate_pass(sampled):
+def test_reference_log_probs_computed_inside_the_update_match_the_separate_pass(sampled, ranks):
     """One optimizer step per batch with the KL in the loss (GRPO, 1 epoch x 1 mini-batch): the driver needs nothing
     from `prepare`, so each update micro-step computes its rows' reference log-probs itself. With 2 mini-batches the
     separate pass runs instead. Both measure the sampling policy against the reference on the same tokens, so the
@@ -171,10 +181,14 @@ def test_reference_log_probs_computed_inside_the_update_match_the_separate_pass(
     scored = _scored_with(store, rollouts, lambda k: 1.0 if k < 2 else 0.0, "half")
     # a reference that is not the policy, so that the KL term is not trivially 0
     reference = run_rl_update(RLConfig(algorithm="grpo", lr=1e-2, micro_batch_size=8, seed=9), [scored], base, base,
-                              store)  # fmt: skip
+                              store, warm=ranks)  # fmt: skip
     settings = dict(algorithm="grpo", lr=1e-3, ppo_epochs=1, kl_coef=0.5, micro_batch_size=8)
-    separate = store.manifest(run_rl_update(RLConfig(**settings, mini_batches=2), [scored], base, reference, store))
-    inside = store.manifest(run_rl_update(RLConfig(**settings, mini_batches=1), [scored], base, reference, store))
+    separate = store.manifest(
+        run_rl_update(RLConfig(**settings, mini_batches=2), [scored], base, reference, store, warm=ranks)
+    )
+    inside = store.manifest(
+        run_rl_update(RLConfig(**settings, mini_batches=1), [scored], base, reference, store, warm=ranks)
+    )
 
     a, b = separate["metrics"], inside["metrics"]
     assert a["reference_in_update"] == 0.0 and b["reference_in_update"] == 1.0
@@ -184,11 +198,11 @@ def test_reference_log_probs_computed_inside_the_update_match_the_separate_pass(
 
     # LoRA: the reference is the policy with its adapter disabled, computed inside the update too (KL exactly 0)
     lora = RLConfig(**settings, mini_batches=1, lora=LoraConfig(r=4, alpha=8))
-    c = store.manifest(run_rl_update(lora, [scored], base, base, store))["metrics"]
+    c = store.manifest(run_rl_update(lora, [scored], base, base, store, warm=ranks))["metrics"]
     assert c["reference_in_update"] == 1.0 and c["kl_k1"] == 0.0 and c["kl_k3"] == 0.0, c
 
 
-def test_shared_prompts_and_the_worker_count_leave_the_update_the_same(sampled):
+def test_shared_prompts_and_the_worker_count_leave_the_update_the_same(sampled, ranks):
     """Each group's prompt run once (a rank takes whole groups), on 2 workers or 1, or every row in full (gradient
     checkpointing keeps no KV cache to share): the same losses, entropy and gradient norm, since every split of a
     mini-batch sums to the same gradient."""
@@ -199,13 +213,20 @@ def test_shared_prompts_and_the_worker_count_leave_the_update_the_same(sampled):
     scored = _scored_with(store, rollouts, lambda k: [1.0, 0.0, 0.5, 0.0][k], "shared")
     settings = dict(algorithm="grpo", lr=1e-3, ppo_epochs=1, mini_batches=2, kl_coef=0.1)
     # micro-batch sizes differ so that each run is its own stage (another key), not a cache hit
-    two = store.manifest(run_rl_update(RLConfig(**settings, micro_batch_size=4), [scored], base, base, store))
+    two = store.manifest(
+        run_rl_update(RLConfig(**settings, micro_batch_size=4), [scored], base, base, store, warm=ranks)
+    )
     one = store.manifest(
-        run_rl_update(RLConfig(**settings, micro_batch_size=8, num_workers=1), [scored], base, base, store)
+        run_rl_update(RLConfig(**settings, micro_batch_size=8, num_workers=1), [scored], base, base, store, warm=ranks)
     )
     full = store.manifest(
         run_rl_update(
-            RLConfig(**settings, micro_batch_size=6, gradient_checkpointing=True), [scored], base, base, store
+            RLConfig(**settings, micro_batch_size=6, gradient_checkpointing=True),
+            [scored],
+            base,
+            base,
+            store,
+            warm=ranks,
         )
     )
 
@@ -218,7 +239,7 @@ def test_shared_prompts_and_the_worker_count_leave_the_update_the_same(sampled):
             assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), (name, a, b)
 
 
-def test_a_policy_with_dropout_takes_its_old_log_probs_from_an_eval_mode_pass(sampled, tiny_inputs, tmp_path):
+def test_a_policy_with_dropout_takes_its_old_log_probs_from_an_eval_mode_pass(sampled, tiny_inputs, tmp_path, ranks):
     """A policy with active dropout and one optimizer step per batch: its train-mode forward is stochastic, so the
     old log-probs come from `prepare`'s eval-mode pass (as they would with more steps), and match the engine's."""
     import json
@@ -238,12 +259,14 @@ def test_a_policy_with_dropout_takes_its_old_log_probs_from_an_eval_mode_pass(sa
     rollouts = run_rollout(cfg, tiny_inputs[1].prompts, policy, store)
     scored = _scored_with(store, rollouts, lambda k: float(k % 2), "dropout")
     rl = RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8, mini_batches=1, kl_coef=0.0, kl_placement="none")
-    metrics = store.manifest(run_rl_update(rl, [scored], policy, policy, store))["metrics"]
+    metrics = store.manifest(run_rl_update(rl, [scored], policy, policy, store, warm=ranks))["metrics"]
     assert metrics["reference_in_update"] == 0.0, metrics  # `prepare` ran, for the dropout
     assert metrics["logp_mismatch_mean"] < 1e-4, metrics  # a train-mode (dropout) pass would differ by far more
 
 
-def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tiny_inputs, vllm_or_skip, vllm_warm):
+def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(
+    sampled, tiny_inputs, vllm_or_skip, vllm_warm, ranks
+):
     """Rollouts from the vLLM engine (its own environment, seeded T=1 sampling) feed the update; the mismatch between
     the engine's log-probs and the trainer's recomputed ones is logged and small (same weights, fp32 both sides)."""
     from posttrain_core.config import RLConfig, RolloutConfig
@@ -255,7 +278,9 @@ def test_update_on_vllm_rollouts_checks_the_engine_trainer_mismatch(sampled, tin
     store, base, _ = sampled
     rollouts = run_rollout(cfg, tiny_inputs[1].prompts, base, store, warm=vllm_warm)
     scored = _scored_with(store, rollouts, lambda k: float(k % 2), "vllm")
-    new = run_rl_update(RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8), [scored], base, base, store)
+    new = run_rl_update(
+        RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8), [scored], base, base, store, warm=ranks
+    )
     metrics = store.manifest(new)["metrics"]
     assert metrics["logp_mismatch_mean"] < 1e-2, metrics  # two engines: not bit-identical, but close
     assert metrics["logp_mismatch_max"] < 0.1, metrics

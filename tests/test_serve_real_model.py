@@ -59,8 +59,8 @@ def test_the_batches_users_send_stay_within_the_memory_budget(service):
         budget_mb = MEMORY_GB * 1024
         assert worker_status(service)["memory_budget_mb"] == pytest.approx(budget_mb)
         # many short datums (the service once grew to 20 GB on 1,030 x 10), then long ones: either way the budget
-        # cuts them into several passes (5k and 8k tokens here: what one pass of 6 GB cannot hold)
-        for n, length in ((512, 10), (4, 2000)):
+        # cuts them into several passes (2.5k and 4k tokens here: more than one pass of a 6 GB budget holds, ~2.2k)
+        for n, length in ((256, 10), (2, 2000)):
             data = batch(rng, n, length)
             passes = worker_status(service)["fwdbwd_passes"]
             out = tc.forward_backward(data, "cross_entropy").result()
