@@ -115,9 +115,13 @@ class TokenLogprobs(torch.nn.Module):
 
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
+        from posttrain_core.vision.inputs import banned_ids
+
         self.lm = lm
         self.plain = plain_head(lm)
         self.rows = chunk_rows(int(lm.get_output_embeddings().weight.shape[0]))
+        banned = banned_ids(lm.config)  # a VLM's vision tokens: out of every log-softmax, as the engine leaves them
+        self.banned = torch.tensor(banned) if banned else None
 
     def forward(
         self,
@@ -129,6 +133,7 @@ class TokenLogprobs(torch.nn.Module):
         entropy: bool = False,
         gather: torch.Tensor | None = None,
         topk: int = 0,
+        vision: dict[str, torch.Tensor] | None = None,
     ) -> Scores:
         """The `Scores` at `select`, shaped as `labels` (with a last axis of K for `gather` and `topk`).
 
@@ -142,7 +147,16 @@ class TokenLogprobs(torch.nn.Module):
             entropy: also each selected position's entropy (with its graph).
             gather: token ids, labels' shape x K: also their log-probs at each position (with their graph).
             topk: also the `topk` most likely tokens at each position and their log-probs (no graph).
+            vision: a VLM's pixels, grids and 3-D positions (`vision.inputs.forward_inputs`).
         """
+        from posttrain_core.vision.inputs import backbone, ban
+
+        if vision is not None:
+            if prefix is not None:
+                raise ValueError("TokenLogprobs: a shared prefix cannot carry images")
+            out = backbone(self.lm)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **vision)
+            picked, lm_head, banned = _pick(out.last_hidden_state, select), self.lm.get_output_embeddings(), self.banned
+            return self._scores(picked, lambda h: ban(lm_head(h), banned), labels, entropy, gather, topk)
         if prefix is not None and not self.plain:
             raise ValueError(f"TokenLogprobs: a shared prefix needs a plain-head model, not {type(self.lm)}")
         if self.plain:
@@ -161,8 +175,11 @@ class TokenLogprobs(torch.nn.Module):
             picked = _pick(logits, select)
 
             def head(h: torch.Tensor) -> torch.Tensor:
-                return h  # the model's own logits
+                return ban(h, self.banned)  # the model's own logits
 
+        return self._scores(picked, head, labels, entropy, gather, topk)
+
+    def _scores(self, picked, head, labels, entropy, gather, topk) -> Scores:
         flat = picked.reshape(-1, picked.shape[-1])
         ids = gather.reshape(flat.shape[0], -1) if gather is not None else None
         scores = chunked_logprobs(head, flat, labels.reshape(-1), self.rows, entropy, ids, topk)
@@ -216,12 +233,14 @@ class SharedPrefix:
     positions_B_T: torch.Tensor
 
 
-def distinct(seqs: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
+def distinct(seqs: list[list[int]], keys: list | None = None) -> tuple[list[tuple[int, ...]], list[int]]:
     """(the distinct sequences in order of first appearance, each sequence's index in them): the n samples of a
-    prompt find their one copy, which the hf engine prefills and the trainer runs once."""
-    first: dict[tuple[int, ...], int] = {}
-    rows = [first.setdefault(tuple(s), len(first)) for s in seqs]
-    return list(first), rows
+    prompt find their one copy, which the hf engine prefills and the trainer runs once. With `keys`, sequences are
+    the same only if their keys are too (the same tokens of a VLM prompt can come with other images)."""
+    first: dict[tuple, int] = {}
+    keyed = [(tuple(s), None if keys is None else keys[i]) for i, s in enumerate(seqs)]
+    rows = [first.setdefault(k, len(first)) for k in keyed]
+    return [seq for seq, _ in first], rows
 
 
 def left_padded(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

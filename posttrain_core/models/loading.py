@@ -81,9 +81,7 @@ def check_model_path(path: str | Path) -> dict[str, Any]:
     if (p / "adapter_config.json").exists():
         adapter = _read_json(p / "adapter_config.json")
         if not any((p / f).exists() for f in _ADAPTER_WEIGHT_FILES):
-            raise ValueError(
-                f"model path '{path}' has adapter_config.json but no {' or '.join(_ADAPTER_WEIGHT_FILES)}"
-            )
+            raise ValueError(f"model path '{path}' has adapter_config.json but no {' or '.join(_ADAPTER_WEIGHT_FILES)}")
         base = _resolve_base(p, adapter.get("base_model_name_or_path"))
         try:
             info = check_model_path(base)
@@ -167,12 +165,28 @@ def load_causal_lm(
     """
     info = check_model_path(path)
     torch_dtype = _torch_dtype(dtype)
+    auto = _auto_class(info["model_type"])
     if info["is_adapter"]:
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(info["base_model"], local_files_only=True, dtype=torch_dtype)
+        base = auto.from_pretrained(info["base_model"], local_files_only=True, dtype=torch_dtype)
         return PeftModel.from_pretrained(base, str(path), is_trainable=trainable_adapter)
-    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
+    return auto.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype)
+
+
+def _auto_class(model_type: str | None):
+    """AutoModelForCausalLM, or for a vision-language model (Qwen2-VL, LLaVA, ...) the image-text-to-text class:
+    both give a model whose forward returns next-token logits."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

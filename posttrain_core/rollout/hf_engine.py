@@ -16,6 +16,7 @@ import pyarrow as pa
 import torch
 
 from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SINGLE_TURN, SamplingSettings
+from posttrain_core.vision.inputs import VisionSpec, ban, forward_inputs
 
 # The stable ids of one sample's random stream: (sampling seed, prompt_id, sample_index).
 _SEED_MASK = (1 << 63) - 1
@@ -90,6 +91,20 @@ def eos_and_pad(tokenizer, model: torch.nn.Module) -> tuple[list[int], int]:
 
 
 @dataclass
+class Vision:
+    """A decode batch's images: per context, its prompt's pixels and grid (None: no image) and a key that tells
+    contexts of one prompt from another prompt with the same tokens."""
+
+    spec: VisionSpec
+    pixels: list[torch.Tensor | None]
+    grids: list[torch.Tensor | None]
+    keys: list[int]
+
+    def part(self, start: int, end: int) -> Vision:
+        return Vision(self.spec, self.pixels[start:end], self.grids[start:end], self.keys[start:end])
+
+
+@dataclass
 class _Sample:
     row: int  # index of the prompt row in the input table
     sample_index: int
@@ -145,6 +160,8 @@ class HFEngine:
         self.tokenizer = load_tokenizer(model_path, require_chat_template=True)
         self.model = load_causal_lm(model_path, dtype=self.dtype).eval()
         self.max_context = info.get("max_position_embeddings")
+        self.model_type = info.get("model_type")
+        self.vision = VisionSpec.of(model_path)
         self.eos_ids, self.pad_id = eos_and_pad(self.tokenizer, self.model)
         return "reloaded"
 
@@ -187,7 +204,21 @@ class HFEngine:
             return validate_table(pa.table({name: [] for name in ROLLOUT_COLUMNS}), "rollouts", source="HFEngine")
         prompt_ids = prompts.column("prompt_id").to_pylist()
         answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(prompt_ids)
-        encoded = [tokenize_prompt(self.tokenizer, m) for m in prompts.column("messages").to_pylist()]
+        messages = prompts.column("messages").to_pylist()
+        images = prompts.column("images").to_pylist() if "images" in prompts.column_names else [None] * len(messages)
+        vision = None
+        if self.vision is not None:
+            built = [self.vision.prompt(self.tokenizer, m, im, f"prompt {pid!r}")
+                     for m, im, pid in zip(messages, images, prompt_ids, strict=True)]  # fmt: skip
+            encoded = [b.ids for b in built]
+        else:
+            with_images = next((pid for pid, im in zip(prompt_ids, images, strict=True) if im), None)
+            if with_images is not None:
+                raise ValueError(
+                    f"HFEngine: prompt {with_images!r} has images, but {self.model_path} is a text-only model "
+                    f"({self.model_type}); use a vision-language model (docs/vlm.md)"
+                )
+            encoded = [tokenize_prompt(self.tokenizer, m) for m in messages]
         longest = max(len(x) for x in encoded)
         budget = params.tools.max_total_tokens if params.tools else params.max_tokens
         if self.max_context and longest + budget > self.max_context:
@@ -199,14 +230,23 @@ class HFEngine:
         if params.tools is not None:
             from posttrain_core.rollout.multiturn import generate_rows
 
+            if self.vision is not None:
+                raise ValueError(
+                    f"HFEngine: tool calls with a vision-language model ({self.model_type}) are not supported"
+                )
+
             sample = functools.partial(self._sample, params=params)
             return self._table(generate_rows(sample, self.tokenizer, prompts, params, self.policy_digest), started)
         samples = [_Sample(row, k, encoded[row]) for row in range(len(encoded)) for k in range(params.n)]
         seeds = [sample_seed(params.seed, prompt_ids[s.row], s.sample_index) for s in samples]
-        outs = self._sample([s.prompt_ids for s in samples], seeds, params)
+        if self.vision is not None:
+            vision = Vision(self.vision, [built[s.row].pixel_values for s in samples],
+                            [built[s.row].grid_thw for s in samples], [s.row for s in samples])  # fmt: skip
+        outs = self._sample([s.prompt_ids for s in samples], seeds, params, vision)
         results = [
             {"prompt_id": prompt_ids[s.row], "sample_index": s.sample_index, "prompt_ids": s.prompt_ids,
-             "answer": answers[s.row], "policy_digest": self.policy_digest, **SINGLE_TURN, **out}
+             "answer": answers[s.row], "policy_digest": self.policy_digest, "images": images[s.row] or None,
+             **SINGLE_TURN, **out}
             for s, out in zip(samples, outs, strict=True)
         ]  # fmt: skip
         return self._table(results, started)
@@ -245,12 +285,16 @@ class HFEngine:
                     top.append(scores.topk_logp[b, :n].tolist())
         return teacher_columns(logprobs, ids if topk else None, top if topk else None)
 
-    def _sample(self, contexts: list[list[int]], seeds: list[int], params: SamplingSettings) -> list[dict]:
+    def _sample(
+        self, contexts: list[list[int]], seeds: list[int], params: SamplingSettings, vision: Vision | None = None
+    ) -> list[dict]:
         """One sample per context (token ids) with its own seed, `max_batch_size` contexts per decode batch."""
         out: list[dict] = []
         for start in range(0, len(contexts), self.max_batch_size):
             end = start + self.max_batch_size
-            out += self._decode(contexts[start:end], seeds[start:end], params)
+            part = vision.part(start, end) if vision is not None else None
+            out += decode(self.model, self.tokenizer, self.pad_id, self.eos_ids, contexts[start:end],
+                          seeds[start:end], params, part)  # fmt: skip
         return out
 
     def _table(self, results: list[dict], started: float) -> pa.Table:
@@ -260,11 +304,8 @@ class HFEngine:
             "tokens": sum(len(r["response_ids"]) for r in results),
             "seconds": time.perf_counter() - started,
         }
-        table = pa.table({name: [r[name] for r in results] for name in ROLLOUT_COLUMNS})
+        table = pa.table({name: [r.get(name) for r in results] for name in ROLLOUT_COLUMNS})
         return validate_table(table, "rollouts", source="HFEngine")
-
-    def _decode(self, prompts: list[list[int]], seeds: list[int], params: SamplingSettings) -> list[dict]:
-        return decode(self.model, self.tokenizer, self.pad_id, self.eos_ids, prompts, seeds, params)
 
 
 @torch.no_grad()
@@ -276,6 +317,7 @@ def decode(
     prompts: list[list[int]],
     seeds: list[int],
     params: SamplingSettings,
+    vision: Vision | None = None,
 ) -> list[dict]:
     """One batch: left-padded prefill, then one token per step for every unfinished row, with a KV cache.
 
@@ -286,16 +328,28 @@ def decode(
     Args:
         model: a causal LM (or a peft model, with the adapter to sample from active).
         eos_ids: the tokens that end a sample ("stop", kept in the response).
+        vision: a VLM's prompt pixels (`Vision`); the prefill takes them with 3-D positions, the decode steps are
+            text, and the vision tokens are never sampled.
     """
     from posttrain_core.models.heads import distinct, left_padded
 
     B = len(prompts)
-    unique, src = distinct(prompts)  # each sample's prefill row
+    unique, src = distinct(prompts, vision.keys if vision else None)  # each sample's prefill row
     src_B = torch.tensor(src)
     ids_U_P, mask_U_P = left_padded(unique, pad_id)  # every prompt ends where generation starts
     U, P = ids_U_P.shape
     # Positions count real tokens only, so a padded row sees the positions it would alone (as the trainer does).
     pos_U_P = (mask_U_P.cumsum(-1) - 1).clamp_(min=0)
+    extra: dict = {}
+    banned_V = None
+    if vision is not None:
+        first = {u: i for i, u in reversed(list(enumerate(src)))}  # a sample of each prefill row
+        extra = forward_inputs(
+            model, vision.spec, ids_U_P, mask_U_P, [vision.pixels[first[u]] for u in range(U)],
+            [vision.grids[first[u]] for u in range(U)], "HFEngine prefill",
+        )  # fmt: skip
+        pos_U_P = extra.pop("position_ids")  # 3 x U x P; the prompt's last token is text: its 3 rows agree
+        banned_V = torch.tensor(vision.spec.banned_ids)
     # Each sample's stream: torch.rand(max_tokens) from its own generator; step t uses element t.
     uniforms_B_T = torch.zeros((B, params.max_tokens))
     if params.temperature > 0:
@@ -314,14 +368,16 @@ def decode(
         position_ids=pos_U_P,
         use_cache=True,
         logits_to_keep=1,
+        **extra,
     )
     cache = out.cache
     if U < B:
         cache.reorder_cache(src_B)  # prompt rows -> sample rows (an index_select of every layer's keys/values)
-    pos_B = pos_U_P[src_B, -1]
+    pos_B = pos_U_P[src_B, -1] if vision is None else pos_U_P[0, src_B, -1]
     mask_B_L = torch.cat([mask_U_P[src_B], torch.ones((B, params.max_tokens), dtype=torch.long)], dim=1)
     logits_B_V = out.logits[src_B, -1, :].float()
     for step in range(params.max_tokens):
+        logits_B_V = ban(logits_B_V, banned_V)
         next_B = sample_tokens(logits_B_V, uniforms_B_T[:, step], params.temperature, params.top_p, params.top_k)
         logp_B = torch.log_softmax(logits_B_V, dim=-1).gather(-1, next_B[:, None]).squeeze(-1)
         next_list, logp_list = next_B.tolist(), logp_B.tolist()
@@ -346,7 +402,7 @@ def decode(
         out = model(
             input_ids=feed_B[:, None],
             attention_mask=mask_B_L[:, : P + step + 1],
-            position_ids=pos_B[:, None],
+            position_ids=pos_B[:, None] if vision is None else pos_B[None, :, None].expand(3, B, 1),
             cache=cache,
             use_cache=True,
         )

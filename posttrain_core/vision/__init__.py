@@ -1,0 +1,1 @@
+"""Vision-language support: images in datasets, and the tiny vision-language model and its inputs."""

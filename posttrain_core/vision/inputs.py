@@ -1,0 +1,184 @@
+"""What a vision-language model's forward takes beyond token ids, built one way for the engine and the trainer.
+
+A prompt's images ride in the datasets as PNG bytes, with one `<image>` marker per image in the message text
+(`vision.images`). To run the model:
+
+- each marker becomes `<|vision_start|><|image_pad|> x n<|vision_end|>`, n = the image's patch grid / merge^2, the
+  token count the model's image processor gives that image. The processor's settings (min/max pixels, patch and
+  merge sizes) are read from the model folder, so the engine and the trainer make the same tokens; the expanded ids
+  are what the rollouts store, ready for training;
+- the forward takes the batch's pixel values (every image of every row, in row order), their grids, which tokens
+  are image tokens, and 3-D (M-RoPE) positions from the model's own `get_rope_index`. Positions are always passed:
+  a model left to derive them caches a rope offset on itself that a later call could reuse;
+- before every forward the image-token count is checked against the grids: a mismatch fails naming the row here,
+  not deep inside the model ("image features and image tokens do not match");
+- the vision tokens are never sampled: the engine bans them and the trainer's log-softmax leaves them out alike
+  (`banned_ids`), so a policy cannot emit a token that breaks the next forward, and the two log-probs stay equal.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain_core.vision.images import IMAGE_MARKER
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A VLM folder's vision tokens and image processor."""
+
+    folder: str
+    image_token: int
+    video_token: int
+    start_token: int
+    end_token: int
+    merge: int
+
+    @classmethod
+    def of(cls, path: str | Path) -> VisionSpec | None:
+        """The spec of the model (or adapter) folder at `path`; None for a text-only model."""
+        from posttrain_core.models.loading import check_model_path
+
+        info = check_model_path(path)
+        folder = Path(info["base_model"] or path)
+        config = json.loads((folder / "config.json").read_text())
+        if config.get("image_token_id") is None:
+            return None
+        vision = config.get("vision_config") or {}
+        return cls(
+            folder=str(folder),
+            image_token=int(config["image_token_id"]),
+            video_token=int(config.get("video_token_id", config["image_token_id"])),
+            start_token=int(config["vision_start_token_id"]),
+            end_token=int(config["vision_end_token_id"]),
+            merge=int(vision.get("spatial_merge_size", 2)),
+        )
+
+    @cached_property
+    def processor(self) -> Any:
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(self.folder, local_files_only=True)
+
+    @property
+    def banned_ids(self) -> list[int]:
+        return banned_ids(json.loads((Path(self.folder) / "config.json").read_text()))
+
+    def pixels(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel_values: patches x features, image_grid_thw: images x 3) of PNG-encoded images."""
+        from PIL import Image
+
+        opened = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        out = self.processor(images=opened, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def tokens_per_image(self, grid_thw: torch.Tensor) -> list[int]:
+        return (grid_thw.prod(-1) // (self.merge**2)).tolist()
+
+    def prompt(self, tokenizer, messages: list[dict], images: list[bytes] | None, where: str) -> Prompt:
+        """The expanded prompt ids (chat template, generation prompt) and pixels of one row's messages."""
+        from posttrain_core.data.chat import tokenize_prompt
+
+        images = images or []
+        markers = sum(str(m["content"]).count(IMAGE_MARKER) for m in messages)
+        if markers != len(images):
+            raise ValueError(f"{where}: {markers} {IMAGE_MARKER} markers in the messages but {len(images)} images")
+        placeholder = tokenizer.convert_ids_to_tokens(self.start_token) + tokenizer.convert_ids_to_tokens(
+            self.image_token
+        ) + tokenizer.convert_ids_to_tokens(self.end_token)  # fmt: skip
+        rendered = [{**m, "content": str(m["content"]).replace(IMAGE_MARKER, placeholder)} for m in messages]
+        ids = tokenize_prompt(tokenizer, rendered)
+        if not images:
+            return Prompt(ids, None, None)
+        pixel_values, grid = self.pixels(images)
+        return Prompt(self.expand(ids, grid, where), pixel_values, grid)
+
+    def expand(self, ids: list[int], grid_thw: torch.Tensor, where: str) -> list[int]:
+        """Each single image token of `ids` repeated to its image's token count, in order."""
+        counts = self.tokens_per_image(grid_thw)
+        if ids.count(self.image_token) != len(counts):
+            raise ValueError(f"{where}: {ids.count(self.image_token)} image tokens for {len(counts)} images")
+        out: list[int] = []
+        k = 0
+        for t in ids:
+            if t == self.image_token:
+                out += [t] * counts[k]
+                k += 1
+            else:
+                out.append(t)
+        return out
+
+    def check(self, ids: list[int], grid_thw: torch.Tensor | None, where: str) -> None:
+        """The row's image tokens are exactly what its images expand to."""
+        want = sum(self.tokens_per_image(grid_thw)) if grid_thw is not None else 0
+        have = sum(1 for t in ids if t == self.image_token)
+        if have != want:
+            raise ValueError(f"{where}: {have} image tokens, but its images expand to {want} (grids {grid_thw})")
+
+
+# What a banned token's logit becomes: exp() of it is exactly 0 in fp32, as for -inf, without -inf's 0 * inf = nan in
+# an entropy.
+BANNED_LOGIT = -1e9
+
+
+def banned_ids(config: Any) -> list[int]:
+    """Tokens a VLM policy must never sample, from its config (an object or a dict): its image/video pad and vision
+    start/end tokens, each of which claims an image the next forward has no pixels for. [] for a text model."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({int(get(k)) for k in names if get(k) is not None}) if get("image_token_id") is not None else []
+
+
+def ban(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """`logits` with the `ids` columns at `BANNED_LOGIT`: neither sampled nor part of any log-softmax's mass."""
+    return logits if ids is None else logits.index_fill(-1, ids, BANNED_LOGIT)
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    pixel_values: torch.Tensor | None
+    grid_thw: torch.Tensor | None
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The VLM's backbone (vision tower + language model, returning hidden states) under a peft wrapper or not."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model.model
+
+
+def forward_inputs(
+    model: torch.nn.Module,
+    spec: VisionSpec,
+    ids_B_L: torch.Tensor,
+    mask_B_L: torch.Tensor,
+    pixels: list[torch.Tensor | None],
+    grids: list[torch.Tensor | None],
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a VLM forward over a (left- or right-) padded batch: the rows' pixels in row order,
+    their grids, the image-token mask and the 3-D positions (3 x B x L).
+
+    Raises:
+        ValueError: a row's image tokens do not match its images (`VisionSpec.check`).
+    """
+    for b in range(ids_B_L.shape[0]):
+        spec.check(ids_B_L[b].tolist(), grids[b], f"{where}, row {b}")
+    mm_B_L = (ids_B_L == spec.image_token).int()
+    present = [b for b in range(len(grids)) if grids[b] is not None]
+    grid = torch.cat([grids[b] for b in present]) if present else None
+    kwargs: dict[str, torch.Tensor] = {"mm_token_type_ids": mm_B_L}
+    if present:
+        kwargs["pixel_values"] = torch.cat([pixels[b] for b in present])
+        kwargs["image_grid_thw"] = grid
+    pos_3_B_L, _ = backbone(model).get_rope_index(ids_B_L, mm_B_L, image_grid_thw=grid, attention_mask=mask_B_L)
+    kwargs["position_ids"] = pos_3_B_L
+    return kwargs

@@ -1,0 +1,105 @@
+"""A tiny random-init Qwen2-VL for tests and the VLM demo, on the project's own tokenizer, built without any hub.
+
+Qwen2-VL is the family whose inputs exercise everything a real VLM needs: a vision tower, image tokens expanded from
+the image's patch grid, and 3-D (M-RoPE) positions. The folder it writes is a complete Hugging Face VLM folder
+(model, tokenizer with the vision special tokens, `preprocessor_config.json`), loaded like any user's VLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+# Qwen2-VL's own names for its vision tokens: a user's Qwen2-VL tokenizer has them already.
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+
+# 28 x 28 pixels make one image token (14-pixel patches, merged 2 x 2): 4 to 16 tokens per image. A 56 x 56 image is
+# 4 tokens; larger ones are resized down to at most 16 (the processor's max_pixels), whatever the user sends.
+MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 16
+
+PRESETS: dict[str, dict[str, int]] = {
+    # head size 32 (a vLLM CPU attention size); mrope_section sums to head size / 2
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, vision_depth=2, vision_dim=32),
+    "small": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vision_depth=2, vision_dim=64),
+}
+
+
+def add_vision_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    """Add the vision special tokens (kept whole by the tokenizer, never split) and return their ids."""
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+
+
+def build_tiny_vlm_checkpoint(
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    size: str = "tiny",
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random-init Qwen2-VL (model, tokenizer with the vision tokens, image processor) to `out_dir`.
+
+    Args:
+        tokenizer: the project's BPE tokenizer (`train_tokenizer`); the vision tokens are added to it.
+        size: a `PRESETS` name.
+    """
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    p = PRESETS[size]
+    ids = add_vision_tokens(tokenizer)
+    head = p["hidden_size"] // p["num_heads"]
+    # M-RoPE splits the rotary half of a head into (time, height, width) sections, in Qwen2-VL's proportions
+    t = head // 8
+    hw = (head // 2 - t) // 2
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=p["hidden_size"],
+        intermediate_size=((8 * p["hidden_size"] // 3 + 31) // 32) * 32,
+        num_hidden_layers=p["num_layers"],
+        num_attention_heads=p["num_heads"],
+        num_key_value_heads=p["num_kv_heads"],
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [t, hw, head // 2 - t - hw]},
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    vision = dict(
+        depth=p["vision_depth"],
+        embed_dim=p["vision_dim"],
+        hidden_size=p["hidden_size"],  # what the merger projects the image tokens to: the language model's width
+        num_heads=2,
+        mlp_ratio=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_chans=3,
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(str(out))
+    return out
