@@ -59,7 +59,7 @@ class DataConfig(_Config):
         description="Raw text ({'text': ...}) for continued pretraining. Empty: the synthetic corpus, or the "
         "training chats flattened to text.",
     )
-    families: list[Literal["arithmetic", "reverse", "lookup", "calc"]] = Field(
+    families: list[Literal["arithmetic", "reverse", "lookup", "calc", "shapes"]] = Field(
         default_factory=lambda: ["arithmetic", "reverse"],
         description="synthetic task families; lookup and calc need a tool (posttrain_core.data.tool_tasks, "
         "docs/tools.md)",
@@ -99,7 +99,9 @@ class ModelConfig(_Config):
         "as a float32 model artifact), a model artifact's key, or a tinker:// checkpoint of `posttrain serve`. "
         "Empty: build a tiny model.",
     )
-    arch: Literal["llama", "qwen2"] = Field("llama", description="tiny model: architecture")
+    arch: Literal["llama", "qwen2", "qwen2_vl"] = Field(
+        "llama", description="tiny model: architecture (qwen2_vl: a vision-language model, docs/vlm.md)"
+    )
     size: Literal["tiny", "small"] = Field(
         "small", description="tiny model preset: tiny = 64 hidden x 2 layers, small = 128 hidden x 4 layers"
     )
@@ -136,6 +138,9 @@ class TrainConfig(_Config):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (bfloat16 = autocast)")
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass: less memory, about a third more compute"
+    )
+    train_vision: bool = Field(
+        False, description="vision-language models: train the vision tower too (frozen by default)"
     )
     checkpoint_every: int = Field(100, ge=0, description="in-stage checkpoint interval in steps (0 = never)")
     keep_checkpoints: int = Field(2, ge=1, description="in-stage checkpoints kept")
@@ -515,6 +520,9 @@ class RLConfig(_Config):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="compute dtype (bfloat16 = autocast)")
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass: less memory, about a third more compute"
+    )
+    train_vision: bool = Field(
+        False, description="vision-language models: train the vision tower too (frozen by default)"
     )
     seed: int = Field(0, description="mini-batch order seed")
     lora: LoraConfig | None = Field(

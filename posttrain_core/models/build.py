@@ -93,14 +93,21 @@ def run_build_model(cfg: ModelConfig, corpus: ArtifactRef | None, store: Artifac
 
         texts = read_dataset(store.local_path(corpus), "text").column("text").to_pylist()
         tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
-        build_tiny_checkpoint(
-            ctx.outdir,
-            tokenizer,
-            arch=cfg.arch,
-            max_position_embeddings=cfg.max_position_embeddings,
-            seed=cfg.seed,
-            **TINY_PRESETS[cfg.size],
-        )
+        if cfg.arch == "qwen2_vl":
+            from posttrain_core.vision.tiny_vlm import build_tiny_vlm_checkpoint
+
+            build_tiny_vlm_checkpoint(
+                ctx.outdir, tokenizer, cfg.size, max_position_embeddings=cfg.max_position_embeddings, seed=cfg.seed
+            )
+        else:
+            build_tiny_checkpoint(
+                ctx.outdir,
+                tokenizer,
+                arch=cfg.arch,
+                max_position_embeddings=cfg.max_position_embeddings,
+                seed=cfg.seed,
+                **TINY_PRESETS[cfg.size],
+            )
         from posttrain_core.models.loading import load_causal_lm
 
         n_params = num_parameters(load_causal_lm(str(ctx.outdir)))

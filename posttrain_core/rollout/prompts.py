@@ -120,6 +120,6 @@ def prompts_per_call(batch_size: int, num_engines: int, n_prompts: int) -> int:
 
 def engine_batches(table: pa.Table, batch_size: int, num_engines: int) -> list[pa.Table]:
     """The prompt batches the engines get, in order (`prompts_per_call` rows each)."""
-    rows = table.select(["prompt_id", "messages", "answer", "meta"])
+    rows = table.select(["prompt_id", "messages", "answer", "meta"] + ["images"] * ("images" in table.column_names))
     per_call = prompts_per_call(batch_size, num_engines, rows.num_rows)
     return [rows.slice(i, per_call) for i in range(0, rows.num_rows, per_call)]

@@ -66,26 +66,36 @@ def global_batch(step: int, n_examples: int, batch_size: int, seed: int) -> list
     return out
 
 
-def build_examples(job: TrainJob, tokenizer) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """Tokenized (input_ids, labels) pairs and the number of rows dropped (nothing left to train on)."""
+def build_examples(job: TrainJob, tokenizer, vision=None) -> tuple[list[tuple[list[int], list[int]]], int, list]:
+    """Tokenized (input_ids, labels) pairs, the number of rows dropped (nothing left to train on), and each pair's
+    images as (pixel_values, grid_thw) or None (`vision`: the model's `VisionSpec`, None for a text model)."""
     from posttrain_core.data.chat import pack_texts, tokenize_chat
     from posttrain_core.data.io import read_dataset
 
     seq_len = job.cfg.max_seq_len
     if job.objective == "pretrain":
         texts = read_dataset(job.data_path, "text").column("text").to_pylist()
-        return [(b, list(b)) for b in pack_texts(tokenizer, texts, seq_len)], 0
-    rows = read_dataset(job.data_path, "sft").column("messages").to_pylist()
-    examples, dropped = [], 0
-    for messages in rows:
-        ids, labels = tokenize_chat(tokenizer, messages, max_length=seq_len)
+        return [(b, list(b)) for b in pack_texts(tokenizer, texts, seq_len)], 0, []
+    table = read_dataset(job.data_path, "sft")
+    rows = table.column("messages").to_pylist()
+    images = table.column("images").to_pylist() if "images" in table.column_names else [None] * len(rows)
+    examples, pixels, dropped = [], [], 0
+    for i, (messages, row_images) in enumerate(zip(rows, images, strict=True)):
+        where = f"{job.data_path} row {i}"
+        if vision is not None:
+            ids, labels, px = vision.chat(tokenizer, messages, row_images, seq_len, where)
+        elif row_images:
+            raise ValueError(f"{where} has images, but the model is text-only: use a vision-language model")
+        else:
+            (ids, labels), px = tokenize_chat(tokenizer, messages, max_length=seq_len), None
         if sum(1 for x in labels[1:] if x != IGNORE) == 0:
             dropped += 1
             continue
         examples.append((ids, labels))
+        pixels.append(px)
     if not examples:
         raise ValueError(f"{job.data_path}: no row has assistant tokens within max_seq_len={seq_len}")
-    return examples, dropped
+    return examples, dropped, pixels
 
 
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int):
@@ -203,6 +213,7 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
         save_checkpoint,
     )
     from posttrain_core.models.lora import apply_lora
+    from posttrain_core.vision.inputs import VisionSpec, batch_inputs, freeze_tower
 
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
@@ -211,10 +222,13 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
     model = load_causal_lm(job.base_path, dtype="float32", trainable_adapter=is_adapter)
     if cfg.lora is not None and not is_adapter:
         model = apply_lora(model, cfg.lora)
+    vision = VisionSpec.of(job.base_path)
+    if vision is not None and not cfg.train_vision:
+        freeze_tower(model)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.train()
-    examples, dropped = build_examples(job, tokenizer)
+    examples, dropped, pixels = build_examples(job, tokenizer, vision)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     net = TokenLogprobs(model)  # the LM head runs on the trained positions only, a chunk at a time
@@ -242,8 +256,11 @@ def train_loop(job: TrainJob, rank: int, world: int) -> dict:
             ids, labels, mask = collate([examples[i] for i in mb], pad_id)
             keep = torch.zeros_like(labels, dtype=torch.bool)  # position t predicts token t + 1
             keep[:, :-1] = labels[:, 1:] != IGNORE
+            images = None
+            if vision is not None:
+                images = batch_inputs(model, vision, ids, mask, [pixels[i] for i in mb], f"{job.stage} step {step}")
             with contextlib.nullcontext() if sync else ddp.no_sync(), autocast:
-                logp = ddp(ids, mask, keep, labels[:, 1:][keep[:, :-1]]).logp
+                logp = ddp(ids, mask, keep, labels[:, 1:][keep[:, :-1]], vision=images).logp
                 ce = -logp.sum()
                 # DDP averages gradients over ranks, so scale by world to get sum / global token count.
                 (ce * world / n_tok.item()).backward()

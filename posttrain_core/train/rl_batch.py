@@ -39,6 +39,7 @@ class RLBatch:
     teacher_logp: list[list[float]] | None = None
     teacher_topk_ids: list[list[list[int]]] | None = None
     teacher_topk_logp: list[list[list[float]]] | None = None
+    images: list[list[bytes] | None] | None = None  # each row's prompt images (PNG), for a VLM policy
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -134,7 +135,8 @@ def load_batch(
                 f"{'sampler' if sampler else 'policy being updated'} ({by.digest[:12]}): the rollout engine generated "
                 "with stale weights"
             )
-    table = pa.concat_tables([t.select(_COLUMNS) for t in tables])
+    with_images = all("images" in t.column_names for t in tables)
+    table = pa.concat_tables([t.select(_COLUMNS + ["images"] * with_images) for t in tables])
     want = len(set(tables[0].column("prompt_id").to_pylist()))
     rows = table.to_pylist()
     groups: dict[str, list[int]] = {}
@@ -156,6 +158,7 @@ def load_batch(
         rewards=[float(rows[i]["reward"]) for i in picked],
         groups=[gid[rows[i]["prompt_id"]] for i in picked],
         correct=[bool(rows[i]["correct"]) for i in picked],
+        images=[rows[i]["images"] for i in picked] if with_images else None,
     )
     if teacher:
         batch = dataclasses.replace(batch, **_teacher_columns(store, teacher, [rows[i] for i in picked], stage))
@@ -335,14 +338,15 @@ def encode_shared(batch: RLBatch, rows: list[int], pad_id: int):
 
 
 def response_logprobs(
-    model: Any, ids, attn, pos, labels, shared=None, entropy: bool = False, gather=None, topk: int = 0
+    model: Any, ids, attn, pos, labels, shared=None, entropy: bool = False, gather=None, topk: int = 0, vision=None
 ) -> Scores:
     """The `Scores` (fp32, B x R) of the response tokens `labels`: their log-probs, and as asked their entropies, the
     log-probs of the tokens `gather` (B x R x K) and the `topk` most likely tokens. The LM head runs on those positions
     only, a chunk at a time (`TokenLogprobs`).
 
     `model` is a causal LM, or a `TokenLogprobs` (possibly inside DDP) around one. `shared` (from `encode_shared`):
-    the same log-probs with each distinct prompt run once; ids / attn / pos are then unused.
+    the same log-probs with each distinct prompt run once; ids / attn / pos are then unused. `vision`: a VLM's
+    pixels and positions of the rows (`vision.inputs.batch_inputs`).
     """
     import torch
 
@@ -353,7 +357,7 @@ def response_logprobs(
     if shared is not None:
         ids_B_T, attn_B_T, select_B_R, prefix = shared
         return net(ids_B_T, attn_B_T, select_B_R, labels, prefix, entropy=entropy, gather=gather, topk=topk)
-    return net(ids, attn, pos, labels, entropy=entropy, gather=gather, topk=topk)
+    return net(ids, attn, pos, labels, entropy=entropy, gather=gather, topk=topk, vision=vision)
 
 
 def chunks(rows: list[int], size: int) -> list[list[int]]:

@@ -72,6 +72,7 @@ class RLWorker:
         )
         from posttrain_core.models.lora import apply_lora
         from posttrain_core.train.loop import build_optimizer
+        from posttrain_core.vision.inputs import VisionSpec, freeze_tower
 
         cfg = self.cfg = job.cfg
         self.job = job
@@ -84,6 +85,9 @@ class RLWorker:
         if cfg.lora is not None and not is_adapter:
             self.policy = apply_lora(self.policy, cfg.lora, seed=cfg.seed)
         self.lora = _is_peft(self.policy)
+        self.vision = VisionSpec.of(job.policy_path)
+        if self.vision is not None and not cfg.train_vision:
+            freeze_tower(self.policy)
         # Each distinct prompt of a micro-batch runs once (`encode_shared`): plain-head models, and not with gradient
         # checkpointing (its training forward keeps no KV cache).
         self.can_share = plain_head(self.policy) and not cfg.gradient_checkpointing
@@ -95,6 +99,9 @@ class RLWorker:
         if not job.train_policy:
             self.policy.eval().requires_grad_(False)
         self.critic = build_critic(job.critic_path) if job.critic_path else None
+        if self.critic is not None and self.vision is not None:
+            raise ValueError(f"{job.stage}: a critic on a vision-language model is not supported: use grpo or another "
+                             "critic-free algorithm")  # fmt: skip
         if cfg.gradient_checkpointing and self.critic is not None:
             enable_gradient_checkpointing(self.critic)
 
@@ -157,9 +164,10 @@ class RLWorker:
             for chunk in chunks(rows, 2 * self.cfg.micro_batch_size):
                 ids, attn, pos, labels, mask = encode(batch, chunk, self.pad_id)
                 shared = self._shared(batch, chunk)
+                images = self._images(batch, chunk, ids, attn)
                 lengths = [len(batch.response_ids[i]) for i in chunk]
-                old = self._eval_logp(ids, attn, pos, labels, shared) if old_rows is not None else None
-                ref = self._reference_logp(ids, attn, pos, labels, shared)  # after: a LoRA policy is in eval mode
+                old = self._eval_logp(ids, attn, pos, labels, shared, images) if old_rows is not None else None
+                ref = self._reference_logp(ids, attn, pos, labels, shared, images)  # after: a LoRA policy is in eval
                 if old is not None:
                     old_rows += [old[b, :n].tolist() for b, n in enumerate(lengths)]
                     checks.add(pad([batch.logprobs[i] for i in chunk], mask.shape[1]), old, ref, mask)
@@ -178,15 +186,26 @@ class RLWorker:
         """`encode_shared` of `rows` when the models allow it, else None."""
         return encode_shared(batch, rows, self.pad_id) if self.can_share else None
 
-    def _eval_logp(self, ids, attn, pos, labels, shared=None):
+    def _images(self, batch: RLBatch, rows: list[int], ids, attn):
+        """A VLM policy's pixels and 3-D positions of the encoded `rows` (`vision.inputs`); None for a text model."""
+        if self.vision is None:
+            if batch.images is not None and any(batch.images[i] for i in rows):
+                raise ValueError(f"{self.job.stage}: the rollouts have images, but the policy is a text-only model")
+            return None
+        from posttrain_core.vision.inputs import batch_inputs
+
+        images = [self.vision.pixels(batch.images[i]) if batch.images and batch.images[i] else None for i in rows]
+        return batch_inputs(self.policy, self.vision, ids, attn, images, f"{self.job.stage} rows {rows[0]}..")
+
+    def _eval_logp(self, ids, attn, pos, labels, shared=None, images=None):
         """The policy's log-probs of one encoded chunk in eval mode (dropout off), without gradients. The policy is
         left in eval mode; the caller puts it back in train mode."""
         import torch
 
         with torch.no_grad():
-            return response_logprobs(self.policy.eval(), ids, attn, pos, labels, shared).logp
+            return response_logprobs(self.policy.eval(), ids, attn, pos, labels, shared, vision=images).logp
 
-    def _reference_logp(self, ids, attn, pos, labels, shared=None):
+    def _reference_logp(self, ids, attn, pos, labels, shared=None, images=None):
         """Reference log-probs of one encoded chunk, without gradients: the frozen reference model, or for LoRA the
         policy with its adapter disabled; None when the job has no reference."""
         import torch
@@ -196,9 +215,9 @@ class RLWorker:
         with torch.no_grad():
             if self.lora:
                 with self.policy.disable_adapter():
-                    return response_logprobs(self.policy, ids, attn, pos, labels, shared).logp
+                    return response_logprobs(self.policy, ids, attn, pos, labels, shared, vision=images).logp
             if self.reference is not None:
-                return response_logprobs(self.reference, ids, attn, pos, labels, shared).logp
+                return response_logprobs(self.reference, ids, attn, pos, labels, shared, vision=images).logp
         return None
 
     def update(self, batch: RLBatch, targets: Targets, save: bool = True) -> dict[str, Any]:
@@ -286,7 +305,14 @@ class RLWorker:
         return metrics
 
     def _micro_step(
-        self, batch: RLBatch, rows: list[int], full: BatchTensors, targets: Targets, settings: Any, nll_tokens: float, sync
+        self,
+        batch: RLBatch,
+        rows: list[int],
+        full: BatchTensors,
+        targets: Targets,
+        settings: Any,
+        nll_tokens: float,
+        sync,
     ) -> UpdateStats:
         """Forward + backward of one micro-batch; returns its share of the stats."""
         import torch
@@ -298,6 +324,7 @@ class RLWorker:
         cfg, out = self.cfg, UpdateStats()
         ids, attn, pos, labels, mask = encode(batch, rows, self.pad_id)
         shared = self._shared(batch, rows) if self.job.train_policy else None
+        images = self._images(batch, rows, ids, attn)
         out.seq_tokens = float(attn.sum())
         out.seq_tokens_run = float(shared[1].sum() + shared[3].mask_U_P.sum()) if shared is not None else out.seq_tokens
         out.tokens = float(full.mask[rows].sum())
@@ -307,7 +334,7 @@ class RLWorker:
         ref = full.ref[rows, :R] if full.ref is not None else None
         if targets.ref_in_update and self.job.train_policy:
             with self._autocast():
-                ref = self._reference_logp(ids, attn, pos, labels, shared)
+                ref = self._reference_logp(ids, attn, pos, labels, shared, images)
         scale = float(self.world)  # DDP averages gradients over ranks; our losses are already global sums
         if self.job.train_policy:
             no_sync = contextlib.nullcontext() if sync else self.ddp_policy.no_sync()
@@ -315,7 +342,7 @@ class RLWorker:
             with no_sync, self._autocast():
                 scores = response_logprobs(
                     self.ddp_policy, ids, attn, pos, labels, shared, entropy=True, gather=top,
-                    topk=top.shape[-1] if top is not None else 0,
+                    topk=top.shape[-1] if top is not None else 0, vision=images,
                 )  # fmt: skip
                 logp, entropy = scores.logp, scores.entropy
                 if old is None:  # the only optimizer step on this batch: these weights sampled it

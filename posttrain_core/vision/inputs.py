@@ -82,38 +82,67 @@ class VisionSpec:
     def tokens_per_image(self, grid_thw: torch.Tensor) -> list[int]:
         return (grid_thw.prod(-1) // (self.merge**2)).tolist()
 
+    def _render(self, tokenizer, messages: list[dict], images: list[bytes], where: str) -> list[dict]:
+        """`messages` with each marker replaced by the model's one-image placeholder (start, one pad, end)."""
+        from posttrain_core.vision.images import check_markers
+
+        check_markers(messages, images, where)
+        placeholder = "".join(tokenizer.convert_ids_to_tokens([self.start_token, self.image_token, self.end_token]))
+        return [{**m, "content": str(m["content"]).replace(IMAGE_MARKER, placeholder)} for m in messages]
+
     def prompt(self, tokenizer, messages: list[dict], images: list[bytes] | None, where: str) -> Prompt:
         """The expanded prompt ids (chat template, generation prompt) and pixels of one row's messages."""
         from posttrain_core.data.chat import tokenize_prompt
 
         images = images or []
-        markers = sum(str(m["content"]).count(IMAGE_MARKER) for m in messages)
-        if markers != len(images):
-            raise ValueError(f"{where}: {markers} {IMAGE_MARKER} markers in the messages but {len(images)} images")
-        placeholder = tokenizer.convert_ids_to_tokens(self.start_token) + tokenizer.convert_ids_to_tokens(
-            self.image_token
-        ) + tokenizer.convert_ids_to_tokens(self.end_token)  # fmt: skip
-        rendered = [{**m, "content": str(m["content"]).replace(IMAGE_MARKER, placeholder)} for m in messages]
-        ids = tokenize_prompt(tokenizer, rendered)
+        ids = tokenize_prompt(tokenizer, self._render(tokenizer, messages, images, where))
         if not images:
             return Prompt(ids, None, None)
         pixel_values, grid = self.pixels(images)
         return Prompt(self.expand(ids, grid, where), pixel_values, grid)
 
-    def expand(self, ids: list[int], grid_thw: torch.Tensor, where: str) -> list[int]:
-        """Each single image token of `ids` repeated to its image's token count, in order."""
+    def chat(
+        self, tokenizer, messages: list[dict], images: list[bytes] | None, max_length: int, where: str
+    ) -> tuple[list[int], list[int], tuple[torch.Tensor, torch.Tensor] | None]:
+        """`data.chat.tokenize_chat` of a chat with images: (input ids, labels, (pixel_values, grid_thw) or None).
+
+        Raises:
+            ValueError: `max_length` would cut through an image's tokens (the rest of the image would be lost).
+        """
+        from posttrain_core.data.chat import tokenize_chat
+
+        images = images or []
+        ids, labels = tokenize_chat(tokenizer, self._render(tokenizer, messages, images, where))
+        px = None
+        if images:
+            pixel_values, grid = self.pixels(images)
+            ids, labels = self.expand(ids, grid, where, labels)
+            px = (pixel_values, grid)
+        if len(ids) > max_length:
+            if self.image_token in ids[max_length:] or self.end_token in ids[max_length:]:
+                raise ValueError(
+                    f"{where}: {len(ids)} tokens with its image tokens, and max_seq_len={max_length} would cut "
+                    "through an image: raise max_seq_len or use smaller images"
+                )
+            ids, labels = ids[:max_length], labels[:max_length]
+        return ids, labels, px
+
+    def expand(self, ids: list[int], grid_thw: torch.Tensor, where: str, labels: list[int] | None = None):
+        """Each single image token of `ids` repeated to its image's token count, in order; with `labels` (aligned to
+        `ids`), (ids, labels) expanded alike, the image tokens' labels IGNORE_INDEX (never trained on)."""
+        from posttrain_core.data.chat import IGNORE_INDEX
+
         counts = self.tokens_per_image(grid_thw)
         if ids.count(self.image_token) != len(counts):
             raise ValueError(f"{where}: {ids.count(self.image_token)} image tokens for {len(counts)} images")
-        out: list[int] = []
-        k = 0
-        for t in ids:
-            if t == self.image_token:
-                out += [t] * counts[k]
-                k += 1
-            else:
-                out.append(t)
-        return out
+        out, out_labels, k = [], [], 0
+        for j, t in enumerate(ids):
+            n = counts[k] if t == self.image_token else 1
+            k += int(t == self.image_token)
+            out += [t] * n
+            if labels is not None:
+                out_labels += [IGNORE_INDEX] * n if t == self.image_token else [labels[j]]
+        return out if labels is None else (out, out_labels)
 
     def check(self, ids: list[int], grid_thw: torch.Tensor | None, where: str) -> None:
         """The row's image tokens are exactly what its images expand to."""
@@ -182,3 +211,30 @@ def forward_inputs(
     pos_3_B_L, _ = backbone(model).get_rope_index(ids_B_L, mm_B_L, image_grid_thw=grid, attention_mask=mask_B_L)
     kwargs["position_ids"] = pos_3_B_L
     return kwargs
+
+
+def batch_inputs(
+    model: torch.nn.Module,
+    spec: VisionSpec,
+    ids_B_L: torch.Tensor,
+    mask_B_L: torch.Tensor,
+    images: list[tuple[torch.Tensor, torch.Tensor] | None],
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """`forward_inputs` of rows whose images are given as (pixel_values, grid_thw) pairs (None: no image)."""
+    pixels = [im[0] if im is not None else None for im in images]
+    grids = [im[1] if im is not None else None for im in images]
+    return forward_inputs(model, spec, ids_B_L, mask_B_L, pixels, grids, where)
+
+
+def freeze_tower(model: torch.nn.Module) -> int:
+    """Freeze a VLM's vision tower (every parameter under a `visual` module); returns how many were frozen.
+
+    The default for training: the task's signal trains the language model, which learns to read what a pretrained
+    tower sees (`train_vision` trains the tower too)."""
+    frozen = 0
+    for name, p in model.named_parameters():
+        if ".visual." in f".{name}" and p.requires_grad:
+            p.requires_grad_(False)
+            frozen += p.numel()
+    return frozen
