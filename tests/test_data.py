@@ -307,7 +307,7 @@ def test_hf_save_to_disk_import(tmp_path):
     rows = {"messages": [chat(("user", "q"), ("assistant", "a"))] * 3, "source": ["s"] * 3}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
     table = import_file(tmp_path / "ds", "sft")
-    assert table.num_rows == 3 and table.column_names == ["messages", "source"]
+    assert table.num_rows == 3 and table.column_names == ["messages", "images", "source"]
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a", "b"]})}).save_to_disk(str(tmp_path / "dd"))
     assert import_hf(tmp_path / "dd", "text").column("text").to_pylist() == ["a", "b"]
     with pytest.raises(ValueError, match="no split 'test'; splits: train"):

@@ -1,7 +1,7 @@
 """Bring user data in: JSON lines, Parquet and Hugging Face `datasets` folders become validated Arrow tables.
 
-Convenient row shapes (prompt/completion, plain prompt strings, implicit-prompt preferences) are normalised into
-the kind's schema first. Everything is local: nothing here ever contacts the Hugging Face hub.
+Convenient row shapes (prompt/completion, plain prompt strings, implicit-prompt preferences, image parts) are
+normalised into the kind's schema first. Everything is local: nothing here ever contacts the Hugging Face hub.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from posttrain_core.data.schemas import SCHEMAS, SchemaError, validate_table
+from posttrain_core.vision.images import MESSAGE_FIELDS, ImageError, check_markers, take_images
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
@@ -44,19 +45,21 @@ def _turn(row: dict, field: str, role: str) -> list[dict]:
     return _messages(row, field)
 
 
-def _normalise(row: Any, kind: str, position: int, stem: str) -> dict:
+def _normalise(row: Any, kind: str, position: int, stem: str, base_dir: Path | None = None) -> dict:
     """Turn one user row into the kind's columns; fields not in the schema are kept as they are.
 
     Args:
         row: one parsed JSON value (or table row).
         position: the line number (JSON lines) or row index (tables), used for generated prompt ids.
         stem: the file name without suffix, used for generated prompt ids.
+        base_dir: the folder that relative image paths start from (the data file's).
     """
     if kind == "text" and isinstance(row, str):
         return {"text": row}
     if not isinstance(row, dict):
         raise RowError(f"expected a JSON object, got {type(row).__name__}")
     row = dict(row)
+    gives_images = take_images(row, base_dir) if kind in ("prompts", "sft") else False
     if kind == "sft" and "messages" not in row:
         if "prompt" in row and ("completion" in row or "response" in row):
             answer_field = "completion" if "completion" in row else "response"
@@ -98,6 +101,8 @@ def _normalise(row: Any, kind: str, position: int, stem: str) -> dict:
             row["prompt"] = _turn(row, "prompt", "user")
             row["chosen"] = _turn(row, "chosen", "assistant")
             row["rejected"] = _turn(row, "rejected", "assistant")
+    if gives_images:
+        check_markers(row["messages"], row["images"])
     return row
 
 
@@ -157,11 +162,12 @@ def _from_rows(values: list[tuple[int, Any]], kind: str, path: str, label: str, 
         raise ValueError(f"unknown dataset kind {kind!r}; kinds: {', '.join(SCHEMAS)}")
     if not values:
         raise ValueError(f"{path}: no rows")
+    base_dir = Path(path) if Path(path).is_dir() else Path(path).parent
     rows = []
     for position, value in values:
         try:
-            rows.append(_normalise(value, kind, position, stem))
-        except RowError as err:
+            rows.append(_normalise(value, kind, position, stem, base_dir))
+        except (RowError, ImageError) as err:
             raise ValueError(f"{path} {label} {position}: {err}") from None
     table = _rows_to_table(rows, kind, lambda i: f"{path} {label} {values[i][0]}")
     try:
@@ -178,12 +184,35 @@ def _from_table(table: pa.Table, kind: str, path: str) -> pa.Table:
         raise ValueError(f"{path}: no rows")
     if kind not in SCHEMAS:
         raise ValueError(f"unknown dataset kind {kind!r}; kinds: {', '.join(SCHEMAS)}")
+    if kind in ("prompts", "sft") and _gives_images(table):
+        # Images arrive in any form (paths, other formats, {bytes, path} structs, parts): made PNG row by row.
+        return _from_rows(list(enumerate(table.to_pylist())), kind, path, "row", Path(path).stem)
     for field in SCHEMAS[kind]:
         if field.name not in table.column_names and field.nullable:
             table = table.append_column(field.name, pa.nulls(table.num_rows, field.type))
     if not set(SCHEMAS[kind].names) <= set(table.column_names):
         return _from_rows(list(enumerate(table.to_pylist())), kind, path, "row", Path(path).stem)
     return validate_table(table, kind, source=path)
+
+
+def _gives_images(table: pa.Table) -> bool:
+    """Whether a table has images (a non-null `images` column) or chat columns with content parts."""
+    if "images" in table.column_names and table.column("images").null_count < table.num_rows:
+        return True
+    for name in MESSAGE_FIELDS:
+        type_ = table.schema.field(name).type if name in table.column_names else None
+        if type_ is None or not (pa.types.is_list(type_) or pa.types.is_large_list(type_)):
+            continue
+        if not pa.types.is_struct(type_.value_type):
+            continue
+        item = type_.value_type
+        if item.get_field_index("type") >= 0:  # the field itself is a list of parts
+            return True
+        content = item.get_field_index("content")
+        content_type = item.field(content).type if content >= 0 else None
+        if content_type is not None and (pa.types.is_list(content_type) or pa.types.is_large_list(content_type)):
+            return True
+    return False
 
 
 def import_file(path: str | Path, kind: str) -> pa.Table:
@@ -197,6 +226,13 @@ def import_file(path: str | Path, kind: str) -> pa.Table:
     or the row index for tables), a numeric answer (made a string), a meta object (made JSON text);
     preferences with string prompt/chosen/rejected, or TRL's implicit-prompt form (chosen/rejected full chats).
     Prompts keep their other columns in `meta` (`fold_into_meta`): reward functions receive them.
+
+    Images (prompts and sft): message contents given as parts ([{"type": "text", "text"}, {"type": "image", "image"
+    | "path" | "url" | "bytes": ...}]) become text with an `<image>` marker per image part, their images the row's
+    `images`; or an `images` field lists the images of the markers already in the text. An image is a path (relative
+    to the data file's folder, or absolute), bytes, a {bytes, path} struct or base64 text (or a data URL), always
+    stored as canonical PNG bytes (`vision.images.canonical_png`): one picture gives one dataset whatever its form.
+    A row with images needs one marker per image; rows without get null `images`.
 
     Raises:
         FileNotFoundError naming the path; ValueError naming the file and line (or row) for bad rows.

@@ -2,7 +2,8 @@
 
 Outputs (one artifact each): `sft` (training chats), `eval` (held-out prompts with answers), `text` (raw text for
 continued pretraining), `prompts` (RL prompts with answers: `prompts_path` when given, else for the synthetic task
-problems of their own, for a user's training file its chats) and, for the synthetic task, `preferences` (right vs wrong answers, for RM/DPO).
+problems of their own, for a user's training file its chats) and, for the synthetic task's text families,
+`preferences` (right vs wrong answers, for RM/DPO).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.artifacts.keys import stage_key
 from posttrain_core.config import DataConfig
+from posttrain_core.vision.images import IMAGE_MARKER
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,15 @@ def _inputs(cfg: DataConfig, store: ArtifactStore) -> dict[str, ArtifactRef]:
 
 def output_keys(cfg: DataConfig, store: ArtifactStore) -> dict[str, str]:
     inputs = [ref.digest for ref in _inputs(cfg, store).values()]
-    names = ["sft", "eval", "text", "prompts"] + ([] if cfg.train_path else ["preferences"])
+    names = ["sft", "eval", "text", "prompts"] + (["preferences"] if _makes_preferences(cfg) else [])
     return {name: stage_key(f"{STAGE}.{name}", cfg, inputs) for name in names}
+
+
+def _makes_preferences(cfg: DataConfig) -> bool:
+    """Only the synthetic text families make preference pairs (the preferences schema has no images)."""
+    from posttrain_core.data.synthetic import VISUAL_FAMILIES
+
+    return not cfg.train_path and any(f not in VISUAL_FAMILIES for f in cfg.families)
 
 
 def holdout_prompts(sft: pa.Table, n_eval: int, seed: int, source: str) -> tuple[pa.Table, pa.Table]:
@@ -66,23 +75,42 @@ def holdout_prompts(sft: pa.Table, n_eval: int, seed: int, source: str) -> tuple
     return sft.take(kept), chats_as_prompts(sft, held)
 
 
+def _images(sft: pa.Table) -> list:
+    return sft.column("images").to_pylist() if "images" in sft.column_names else [None] * sft.num_rows
+
+
 def chats_as_prompts(sft: pa.Table, rows: list[int] | None = None) -> pa.Table:
-    """Chats (all, or `rows`) as prompts: each chat up to its last assistant turn, whose content is the answer."""
-    chats = sft.column("messages").to_pylist()
-    prompts: dict[str, list] = {"prompt_id": [], "messages": [], "answer": [], "meta": []}
+    """Chats (all, or `rows`) as prompts: each chat up to its last assistant turn, whose content is the answer.
+
+    A prompt keeps the images of its markers (images come in marker order, so the first ones); images of the answer
+    turn or later go with it.
+    """
+    chats, images = sft.column("messages").to_pylist(), _images(sft)
+    prompts: dict[str, list] = {"prompt_id": [], "messages": [], "answer": [], "meta": [], "images": []}
     for i in range(len(chats)) if rows is None else rows:
         msgs = chats[i]
         last = max(j for j, m in enumerate(msgs) if m["role"] == "assistant")
+        kept = sum(m["content"].count(IMAGE_MARKER) for m in msgs[:last]) if images[i] else 0
         prompts["prompt_id"].append(f"row-{i}")
         prompts["messages"].append(msgs[:last])
         prompts["answer"].append(msgs[last]["content"])
         prompts["meta"].append(json.dumps({"source_row": i}))
+        prompts["images"].append(images[i][:kept] if kept else None)
     return pa.table(prompts)
 
 
 def flatten_chats(sft: pa.Table) -> pa.Table:
-    """Chats as raw text (contents joined by newlines), for continued pretraining when no text file is given."""
-    texts = ["\n".join(m["content"] for m in msgs) for msgs in sft.column("messages").to_pylist()]
+    """Chats as raw text (contents joined by newlines), for continued pretraining when no text file is given.
+
+    Pretraining text has no pixels: a chat with images keeps its text with the `<image>` markers taken out (its words
+    still belong in the tokenizer's corpus), and a message that was only an image is left out.
+    """
+    texts = []
+    for msgs, images in zip(sft.column("messages").to_pylist(), _images(sft), strict=True):
+        contents = [m["content"] for m in msgs]
+        if images:
+            contents = [c for c in (c.replace(IMAGE_MARKER, "").strip() for c in contents) if c]
+        texts.append("\n".join(contents))
     return pa.table({"text": texts})
 
 
@@ -124,8 +152,9 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
             "eval": (synthetic.prompts_table(held), "prompts"),
             "text": (synthetic.text_table(shown, cfg.seed), "text"),
             "prompts": (synthetic.prompts_table(rl), "prompts"),
-            "preferences": (synthetic.preferences_table(train, cfg.seed), "preferences"),
         }
+        if _makes_preferences(cfg):
+            tables["preferences"] = (synthetic.preferences_table(train, cfg.seed), "preferences")
         if cfg.prompts_path:
             tables["prompts"] = (importers.import_file(cfg.prompts_path, "prompts"), "prompts")
         if cfg.eval_path:

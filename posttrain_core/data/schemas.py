@@ -10,9 +10,13 @@ import json
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from posttrain_core.vision.images import IMAGE_MARKER, PNG_SIGNATURE
+
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 MESSAGES = pa.list_(MESSAGE)
 ROLES = ("system", "user", "assistant", "tool")
+# A row's images as PNG bytes, one per `<image>` marker in its messages, in marker order (null: a text-only row).
+IMAGES = pa.list_(pa.binary())
 
 
 def _f(name: str, type_: pa.DataType, nullable: bool = False) -> pa.Field:
@@ -35,6 +39,7 @@ _ROLLOUT_FIELDS = [
     _f("num_turns", pa.int32()),  # assistant turns (1 for a single-turn sample)
     _f("num_tool_calls", pa.int32()),
     _f("tool_errors", pa.int32()),  # calls that ended in an error or a timeout observation
+    _f("images", IMAGES, nullable=True),  # the prompt's images: the trainer's forward needs the pixels again
 ]
 
 _TEACHER_FIELDS = [
@@ -51,10 +56,11 @@ SCHEMAS: dict[str, pa.Schema] = {
             _f("messages", MESSAGES),
             _f("answer", pa.string(), nullable=True),  # ground truth for verifiers
             _f("meta", pa.string(), nullable=True),  # JSON object text, e.g. {"family": "arithmetic"}
+            _f("images", IMAGES, nullable=True),
         ]
     ),
     # All assistant turns are trained on, every other token is masked.
-    "sft": pa.schema([_f("messages", MESSAGES)]),
+    "sft": pa.schema([_f("messages", MESSAGES), _f("images", IMAGES, nullable=True)]),
     # chosen / rejected: the assistant turn(s) that continue `prompt`.
     "preferences": pa.schema([_f("prompt", MESSAGES), _f("chosen", MESSAGES), _f("rejected", MESSAGES)]),
     "rollouts": pa.schema(_ROLLOUT_FIELDS),
@@ -85,6 +91,8 @@ SCHEMAS: dict[str, pa.Schema] = {
 # Columns holding a chat (list of {role, content}), checked row by row; the ones that must hold an assistant turn.
 _MESSAGE_COLUMNS = {"prompts": ("messages",), "sft": ("messages",), "preferences": ("prompt", "chosen", "rejected")}
 _NEEDS_ASSISTANT = {"sft": ("messages",), "preferences": ("chosen", "rejected")}
+# Columns a table may lack: they are added as nulls, so text-only datasets validate as they did before images.
+_OPTIONAL_COLUMNS = ("images",)
 _JSON_COLUMNS = {
     "prompts": ("meta",),
     "rollouts": ("turns",),
@@ -113,6 +121,8 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
         return _castable(src.value_type, dst)
     if pa.types.is_string(dst):
         return pa.types.is_large_string(src) or pa.types.is_string_view(src)
+    if pa.types.is_binary(dst):
+        return pa.types.is_large_binary(src) or pa.types.is_binary_view(src)
     if pa.types.is_integer(dst):
         return pa.types.is_integer(src)
     if pa.types.is_floating(dst):
@@ -194,6 +204,8 @@ def validate_table(table: pa.Table, kind: str, source: str = "dataset") -> pa.Ta
 
     Casts only where no meaning is lost (large_string -> string, int64 -> int32 within range, float64 -> float32,
     all-null columns to a nullable type, struct fields matched by name); anything else is an error.
+    A missing `images` column is added as nulls (a text-only dataset); rows with images must hold PNG bytes and one
+    `<image>` marker per image in their messages.
 
     Args:
         table: the data; columns beyond the schema's are allowed and kept (after the schema's columns).
@@ -210,10 +222,11 @@ def validate_table(table: pa.Table, kind: str, source: str = "dataset") -> pa.Ta
         raise ValueError(f"unknown dataset kind {kind!r}; kinds: {', '.join(SCHEMAS)}")
     schema = SCHEMAS[kind]
     for field in schema:
-        if field.name not in table.column_names:
-            raise SchemaError(
-                source, f"column '{field.name}' is missing (kind '{kind}' needs: {', '.join(schema.names)})"
-            )
+        if field.name not in table.column_names and field.name in _OPTIONAL_COLUMNS:
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+        elif field.name not in table.column_names:
+            needs = ", ".join(n for n in schema.names if n not in _OPTIONAL_COLUMNS)
+            raise SchemaError(source, f"column '{field.name}' is missing (kind '{kind}' needs: {needs})")
     columns, fields = [], []
     for field in schema:
         col = _cast_column(table.column(field.name), field, source)
@@ -225,6 +238,8 @@ def validate_table(table: pa.Table, kind: str, source: str = "dataset") -> pa.Ta
     by_name = dict(zip(schema.names, columns, strict=True))
     for name in _MESSAGE_COLUMNS.get(kind, ()):
         _check_messages(by_name[name].combine_chunks(), name, kind, source)
+    if "images" in by_name:
+        _check_images(by_name["images"].combine_chunks(), by_name.get("messages"), source)
     for name in _JSON_COLUMNS.get(kind, ()):
         _check_json(by_name[name], name, source, want_object=(name == "meta"))
     if "response_mask" in by_name:
@@ -254,3 +269,30 @@ def _check_json(col: pa.ChunkedArray, name: str, source: str, want_object: bool)
         if want_object and not isinstance(parsed, dict):
             row = _first_true(pc.equal(col, value))
             raise SchemaError(source, f"column '{name}' must be a JSON object, got {type(parsed).__name__}", row=row)
+
+
+def _check_images(images: pa.Array, messages: pa.ChunkedArray | None, source: str) -> None:
+    """Each image is PNG bytes (what the importers make), and a row with images has one marker per image.
+
+    Rows with null images are text: an `<image>` in their text is left alone, as text datasets may hold one.
+    """
+    if images.null_count == len(images):
+        return
+    flat, parent = images.flatten(), pc.list_parent_indices(images)
+    bad = pc.or_(pc.is_null(flat), pc.not_equal(pc.binary_slice(flat, 0, len(PNG_SIGNATURE)), pa.scalar(PNG_SIGNATURE)))
+    j = _first_true(bad)
+    if j is not None:
+        raise SchemaError(source, "column 'images' holds a value that is not PNG bytes", row=parent[j].as_py())
+    if messages is None:
+        return
+    chats = messages.combine_chunks()
+    counts = pc.count_substring(pc.struct_field(chats.flatten(), "content"), IMAGE_MARKER)
+    sums = pa.table({"row": pc.list_parent_indices(chats), "n": counts}).group_by("row").aggregate([("n", "sum")])
+    markers = [0] * len(chats)
+    for row, n in zip(sums.column("row").to_pylist(), sums.column("n_sum").to_pylist(), strict=True):
+        markers[row] = n
+    i = _first_true(pc.not_equal(pa.array(markers, pa.int64()), pc.list_value_length(images).cast(pa.int64())))
+    if i is not None:
+        raise SchemaError(
+            source, f"{markers[i]} {IMAGE_MARKER} markers in the messages but {len(images[i])} images", row=i
+        )

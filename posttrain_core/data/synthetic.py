@@ -1,5 +1,5 @@
-"""Synthetic tasks with verifiable answers (arithmetic, letter reversal, and tasks that need a tool: `tool_tasks`),
-deterministic from a seed.
+"""Synthetic tasks with verifiable answers (arithmetic, letter reversal, tasks that need a tool: `tool_tasks`, and
+questions about a picture: `shapes`), deterministic from a seed.
 
 They feed every stage of the demo pipeline: tokenizer corpus, pretraining text, SFT, preferences, RL prompts, eval.
 Arithmetic solutions are worked column by column before "The answer is N" (a short chain of thought): a 0.8M-parameter
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from posttrain_core.data import tool_tasks
-from posttrain_core.data.schemas import validate_table
+from posttrain_core.data import shapes, tool_tasks
+from posttrain_core.data.schemas import IMAGES, validate_table
+from posttrain_core.vision.images import IMAGE_MARKER
 
-FAMILIES = ("arithmetic", "reverse")  # the demo's; tool_tasks.TOOL_FAMILIES are the others
+FAMILIES = ("arithmetic", "reverse")  # the demo's; tool_tasks.TOOL_FAMILIES and VISUAL_FAMILIES are the others
 
 FILLER_SENTENCES = (
     "Arithmetic is the study of numbers and the operations on them.",
@@ -44,6 +45,7 @@ class Problem:
     answer: str
     solution: str  # what the assistant says in the SFT data: the answer, or worked steps ending in it
     demo: tuple[tuple[str, str], ...] = ()  # tool families: the (role, text) turns after the question instead
+    image: bytes | None = None  # visual families: the picture (PNG) the question is about, shown before it
 
 
 def _operand(rng: random.Random, max_digits: int) -> int:
@@ -75,6 +77,8 @@ _GENERATORS: dict[str, Callable[[random.Random, int], tuple[str, str]]] = {
     "reverse": _reverse,
 }
 _TOOL_GENERATORS = {"lookup": tool_tasks.generate_lookup, "calc": tool_tasks.generate_calc}
+_VISUAL_GENERATORS = {"shapes": shapes.generate}
+VISUAL_FAMILIES = tuple(_VISUAL_GENERATORS)
 
 ANSWER_PREFIX = "The answer is "
 
@@ -147,7 +151,8 @@ def make_problems(
     """n problems with distinct questions, round-robin over `families`, the same for the same arguments.
 
     Each family draws from its own generator seeded by (seed, family), so the first k problems of a family do not
-    depend on n or on the other families.
+    depend on n or on the other families. Visual families repeat their few question texts: what is distinct there
+    is the (question, picture) pair.
 
     Args:
         families: names from `FAMILIES`.
@@ -157,7 +162,7 @@ def make_problems(
             length is drawn uniformly from 1..max_digits, then its value among the numbers of that length.
         worked: arithmetic solutions show their column-by-column steps (`worked_solution`); False: the bare answer.
     """
-    known = (*_GENERATORS, *_TOOL_GENERATORS)
+    known = (*_GENERATORS, *_TOOL_GENERATORS, *_VISUAL_GENERATORS)
     unknown = [f for f in families if f not in known]
     if unknown or not families:
         raise ValueError(f"unknown families {unknown or list(families)}; known: {', '.join(known)}")
@@ -165,44 +170,59 @@ def make_problems(
         raise ValueError(f"max_digits must be >= 1, got {max_digits}")
     rngs = {f: random.Random(f"{seed}-{f}") for f in families}
     counts = dict.fromkeys(families, 0)
-    seen: set[str] = set()
+    seen: set[tuple[str, bytes | None]] = set()
     problems = []
     for i in range(n):
         family = families[i % len(families)]
         for _ in range(10_000):
+            image = None
             if family in _TOOL_GENERATORS:
                 kind, question, answer, demo = _TOOL_GENERATORS[family](rngs[family])
+            elif family in _VISUAL_GENERATORS:
+                kind, (question, answer, image), demo = family, _VISUAL_GENERATORS[family](rngs[family]), ()
             else:
                 kind, (question, answer), demo = family, _GENERATORS[family](rngs[family], max_digits), ()
-            if question not in seen:
+            if (question, image) not in seen:
                 break
         else:
             raise ValueError(
                 f"family {family!r} ran out of distinct questions after {counts[family]} (raise max_digits)"
             )
-        seen.add(question)
-        solution = worked_solution(question, max_digits) if worked and family == "arithmetic" else answer
-        problems.append(Problem(f"{family}-{counts[family]:05d}", kind, question, answer, solution, demo))
+        seen.add((question, image))
+        if family in _VISUAL_GENERATORS:
+            solution = ANSWER_PREFIX + answer  # a one-word answer in the form exact_match reads
+        else:
+            solution = worked_solution(question, max_digits) if worked and family == "arithmetic" else answer
+        problems.append(Problem(f"{family}-{counts[family]:05d}", kind, question, answer, solution, demo, image))
         counts[family] += 1
     return problems
 
 
 def split_train_eval(problems: Sequence[Problem], n_eval: int, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
-    """A random eval set of n_eval problems and the rest as train; no question appears in both.
+    """A random eval set of n_eval problems and the rest as train; no question (with its picture) appears in both.
 
     Both lists keep the input order. Duplicated questions in the input all go to the side their first copy drew.
     """
-    questions = list(dict.fromkeys(p.question for p in problems))
+    questions = list(dict.fromkeys((p.question, p.image) for p in problems))
     if not 0 <= n_eval <= len(questions):
         raise ValueError(f"n_eval={n_eval} is not within 0..{len(questions)} (distinct questions)")
     eval_questions = set(random.Random(seed).sample(questions, n_eval))
-    train = [p for p in problems if p.question not in eval_questions]
-    evals = [p for p in problems if p.question in eval_questions]
+    train = [p for p in problems if (p.question, p.image) not in eval_questions]
+    evals = [p for p in problems if (p.question, p.image) in eval_questions]
     return train, evals
 
 
 def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+def _ask(p: Problem) -> list[dict]:
+    """The user turn: the question, after its picture's marker for a visual problem."""
+    return _user(f"{IMAGE_MARKER}\n{p.question}" if p.image is not None else p.question)
+
+
+def _images(problems: Sequence[Problem]) -> pa.Array:
+    return pa.array([None if p.image is None else [p.image] for p in problems], IMAGES)
 
 
 def _assistant(text: str) -> list[dict]:
@@ -220,14 +240,15 @@ def _meta(p: Problem) -> str:
 
 def prompts_table(problems: Sequence[Problem]) -> pa.Table:
     """A `prompts` table: one user message per problem, its answer, and meta {"family": ...} (tool families: and
-    "needs_tool")."""
+    "needs_tool"); visual problems: an `<image>` marker before the question and the picture in `images`."""
     return validate_table(
         pa.table(
             {
                 "prompt_id": [p.prompt_id for p in problems],
-                "messages": [_user(p.question) for p in problems],
+                "messages": [_ask(p) for p in problems],
                 "answer": [p.answer for p in problems],
                 "meta": [_meta(p) for p in problems],
+                "images": _images(problems),
             }
         ),
         "prompts",
@@ -237,11 +258,12 @@ def prompts_table(problems: Sequence[Problem]) -> pa.Table:
 
 def sft_table(problems: Sequence[Problem]) -> pa.Table:
     """An `sft` table: [user question, assistant solution] per problem (tool families: the demonstration's turns),
-    plus prompt_id."""
+    plus prompt_id; visual problems: the picture in `images`, its marker before the question."""
     return validate_table(
         pa.table(
             {
-                "messages": [_user(p.question) + _reply(p) for p in problems],
+                "messages": [_ask(p) + _reply(p) for p in problems],
+                "images": _images(problems),
                 "prompt_id": [p.prompt_id for p in problems],
             }
         ),
@@ -256,7 +278,11 @@ def _qa_line(p: Problem) -> str:
 
 def text_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
     """A `text` table for continued pretraining: "Q: <question> A: <answer>" rows with a filler sentence about
-    every tenth row."""
+    every tenth row.
+
+    Visual problems come as their text alone (no marker, no picture): it teaches their words and answer format, and
+    since every answer goes with every question text, it teaches no answer.
+    """
     rng = random.Random(seed)
     texts = []
     for p in problems:
@@ -295,8 +321,13 @@ def wrong_solution(problem: Problem, rng: random.Random) -> str:
 
 
 def preferences_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
-    """A `preferences` table: prompt [user question], chosen [right solution], rejected [a plausible wrong one]."""
+    """A `preferences` table: prompt [user question], chosen [right solution], rejected [a plausible wrong one].
+
+    Visual problems are left out: the preferences schema holds no images, and without its picture a pair would teach a
+    reward model nothing true.
+    """
     rng = random.Random(seed)
+    problems = [p for p in problems if p.image is None]
     return validate_table(
         pa.table(
             {
@@ -312,7 +343,10 @@ def preferences_table(problems: Sequence[Problem], seed: int = 0) -> pa.Table:
 
 
 def corpus_for_tokenizer(problems: Sequence[Problem]) -> list[str]:
-    """Texts to train a tokenizer on: questions, solutions, the pretraining lines, filler, and the chat role names."""
+    """Texts to train a tokenizer on: questions, solutions, the pretraining lines, filler, and the chat role names.
+
+    The `<image>` marker is not among them: the model side adds it as a special token.
+    """
     return (
         [p.question for p in problems]
         + [p.solution for p in problems]

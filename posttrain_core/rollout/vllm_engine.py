@@ -246,7 +246,7 @@ class VLLMEngine:
                  "policy_digest": self.policy_digest, **SINGLE_TURN, **out}
                 for (row, k), out in zip(keys, self._sample(contexts, seeds, params), strict=True)
             ]  # fmt: skip
-        columns = {name: [r[name] for r in rows] for name in ROLLOUT_COLUMNS}
+        columns = {name: [r.get(name) for r in rows] for name in ROLLOUT_COLUMNS}
         self.last_stats = {
             "tokens": sum(len(x) for x in columns["response_ids"]),
             "seconds": time.perf_counter() - started,
