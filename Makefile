@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: demo demo-real demo-distill demo-tools test test-fast server install vllm-env clean bench
+.PHONY: demo demo-real demo-distill demo-tools demo-vlm test test-fast server install vllm-env clean bench
 
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
@@ -36,6 +36,10 @@ demo-real: $(STAMP)
 # (docs/distillation.md).
 demo-distill: $(STAMP)
 	$(PY) -m flows.distill
+
+# A tiny vision-language model learns to read pictures: SFT then GRPO on the shapes task (docs/vlm.md).
+demo-vlm: $(STAMP)
+	$(PY) -m flows.vlm
 
 # Multi-turn RL with tools: the tiny model learns when and how to call a tool (docs/tools.md).
 demo-tools: $(STAMP)

@@ -81,6 +81,11 @@ class DataConfig(_Config):
         description="synthetic RL prompts, distinct from the SFT problems and the held-out ones (0: RL samples the "
         "SFT problems again)",
     )
+    blank_images: bool = Field(
+        False,
+        description="replace every image by a blank (white) one of its size: an ablation that shows what a "
+        "vision-language model learns without seeing",
+    )
     max_digits: int = Field(2, ge=1, le=6, description="synthetic arithmetic: most digits per operand")
     worked_solutions: bool = Field(
         True,

@@ -1,23 +1,20 @@
-"""End-to-end: the rlhf flow on the real Prefect API, Ray (2 workers) and MLflow, on a tiny model.
+"""End-to-end: the rlhf flow on the real Prefect API, Ray (2 workers) and MLflow, on tiny models.
 
 A run killed (SIGKILL of the whole process) during iteration 2 and started again reuses every stage published before
-the kill and ends with the same final policy, bit for bit, as an uninterrupted run with the same seeds.
+the kill and ends with the same final policy, bit for bit, as an uninterrupted run with the same seeds; a rerun of a
+finished run builds nothing. The run is the VLM demo's, shrunk (a tiny Qwen2-VL: pictures in the data, SFT and
+GRPO): resuming is the same for text, and images are where it could break (a digest that depends on how a picture was
+read, pixels the trainer sees differently from the engine).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from flow_helpers import kill_in_iteration_2, stage_count, task_states
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _config(store: Path, **overrides):
@@ -48,74 +45,49 @@ def _config(store: Path, **overrides):
     return RLHFFlowConfig(**{**fields, **overrides})
 
 
-def _task_states(flow_run_id) -> dict[str, list[str]]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+def _vlm_config(store: Path):
+    """`make demo-vlm`'s run, shrunk: 20 SFT steps, 2 GRPO iterations of 8 prompts x 4 samples."""
+    from flows.vlm import vlm_config
+    from posttrain_core.config import EvalConfig, ScoreConfig
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    states: dict[str, list[str]] = {}
-    for tr in runs:
-        states.setdefault(tr.name, []).append(tr.state.name)
-    return states
-
-
-KILLED_RUN = """
-import sys
-from flows.rlhf import rlhf_flow
-from posttrain_core.config import RLHFFlowConfig
-rlhf_flow(RLHFFlowConfig.model_validate_json(sys.argv[1]))
-"""
-
-
-def _stage_count(store, stage: str) -> int:
-    return sum(1 for ref in store.list() if store.manifest(ref).get("stage") == stage)
+    base = vlm_config()
+    return base.model_copy(
+        update=dict(
+            store=str(store),
+            data=base.data.model_copy(update=dict(n_train=200, n_eval=16, n_rl_prompts=32)),
+            sft=base.sft.model_copy(update=dict(max_steps=20, global_batch_size=16, micro_batch_size=8)),
+            iterations=2,
+            rollout=base.rollout.model_copy(update=dict(n=4, max_prompts=8, max_tokens=6, num_engines=1)),
+            rl=base.rl.model_copy(update=dict(micro_batch_size=8)),
+            # 20 SFT steps answer no question right yet: "says 'e'" is a reward with variance within groups.
+            score=ScoreConfig(verifiers={"regex": 1.0, "exact_match": 0.0}, regex="e"),
+            eval=EvalConfig(max_new_tokens=6, num_engines=1),
+            eval_samples=2,
+        )
+    )
 
 
 def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session, tmp_path, monkeypatch):
     from flows.rlhf import rlhf_flow
     from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.data.io import read_dataset
 
     # The killed run's process hashes posttrain_core into every stage key when it starts, this one did at its first
     # key: an edit to the code in between (during a long session) would make every stage of the rerun new.
     monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "test-rlhf-kill")
-    cfg = _config(tmp_path / "store")
+    cfg = _vlm_config(tmp_path / "store")
     store = ArtifactStore(cfg.store)
 
     # 1. Run in its own process; SIGKILL the process group once iteration 2's update has started building.
-    import ray
-
-    # The run joins this session's Ray cluster (a flow process on a shared cluster; also no second raylet to start).
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-    }
-    log = (tmp_path / "killed.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_RUN, cfg.model_dump_json()],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.time() + 600
-    try:
-        # The kill comes as iteration 2's update starts building (Prefect has written the cache records of the stages
-        # before it). A kill between a stage's publish and the end of its task is survived too, but the rerun then
-        # shows that task as Completed (a store hit), not Cached.
-        while (tmp_path / "killed.log").read_text().count("rl_update: building") < 2:
-            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            assert time.time() < deadline, "iteration 2 never started"
-            time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert _stage_count(store, "rl_update") == 1, "the kill came too late: iteration 2's update finished"
+    pid = kill_in_iteration_2(cfg, tmp_path / "killed.log")
+    assert stage_count(store, "rl_update") == 1, "the kill came too late: iteration 2's update finished"
     published = {ref.key for ref in store.list()}
 
     # 2. Start it again: everything published before the kill is a cache hit; iteration 2's update runs.
     state = rlhf_flow(cfg, return_state=True)
     result = state.result()
-    states = _task_states(state.state_details.flow_run_id)
-    for name in ("rollout[iter=1]", "score[iter=1]", "rl_update[iter=1]", "rollout[iter=2]", "score[iter=2]"):
+    states = task_states(state.state_details.flow_run_id)
+    for name in ("sft", "rollout[iter=1]", "score[iter=1]", "rl_update[iter=1]", "rollout[iter=2]", "score[iter=2]"):
         assert states[name] == ["Cached"], (name, states)
     assert states["rl_update[iter=2]"] == ["Completed"], states
     assert published <= {ref.key for ref in store.list()}
@@ -126,26 +98,37 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
 
     c = tracking.client(cfg.store)
     exps = [e.experiment_id for e in c.search_experiments()]
-    runs = c.search_runs(exps, filter_string=f"tags.`posttrain.pid` = '{proc.pid}'")
+    runs = c.search_runs(exps, filter_string=f"tags.`posttrain.pid` = '{pid}'")
     ended = sorted((r.info.run_name.split("/")[0], r.info.status) for r in runs if r.info.status != "FINISHED")
     assert ("rlhf", "KILLED") in ended and {status for _, status in ended} == {"KILLED"}, ended
     assert {name for name, _ in ended} <= {"rlhf", "score", "rl_update"}, ended
     assert c.get_run(result["mlflow_run_id"]).info.status == "FINISHED"
-    assert _stage_count(store, "rl_update") == 2 and _stage_count(store, "rollout") == 2
-    assert _stage_count(store, "evaluate") == 4  # greedy and sampled, before and after
+    assert stage_count(store, "rl_update") == 2 and stage_count(store, "rollout") == 2
+    assert stage_count(store, "evaluate") == 4  # greedy and sampled, before and after
     before = result["eval"][0]
     assert 0 <= before["sampled_pass@1"] <= before["sampled_pass@2"] <= 1 and "accuracy" in before
 
     # 3. The same final policy as an uninterrupted run with the same seeds, in a fresh store. In both, iteration 2's
     # rollout was generated with update 1's weights in memory before they were published.
-    fresh = rlhf_flow(_config(tmp_path / "fresh"))
+    fresh = rlhf_flow(_vlm_config(tmp_path / "fresh"))
     assert fresh["policy"].digest == result["policy"].digest
     assert fresh["curve"] == result["curve"]
+    fresh_store = ArtifactStore(tmp_path / "fresh")
     loads = {
         name: {m.get("engine_load") for m in map(s.manifest, s.list()) if m.get("stage") == "rollout"}
-        for name, s in (("resumed", store), ("fresh", ArtifactStore(tmp_path / "fresh")))
+        for name, s in (("resumed", store), ("fresh", fresh_store))
     }
     assert "prefetched" in loads["resumed"] and "prefetched" in loads["fresh"], loads
+    built = {ref.key for ref in fresh_store.list()}
+    assert rlhf_flow(_vlm_config(tmp_path / "fresh"))["policy"] == fresh["policy"]  # 4. a rerun: all cache hits
+    assert {ref.key for ref in fresh_store.list()} == built
+
+    # The rollouts carry their prompts' pictures, which the trainer, fed the same pixels, scores as the engine did.
+    scored = [store.get(i["key"]) for i in store.manifest(result["policy"])["inputs"] if i["name"].startswith("scored")]
+    images = read_dataset(store.local_path(scored[0]), "scored_rollouts").column("images").to_pylist()
+    assert all(im and im[0].startswith(b"\x89PNG") for im in images)
+    sft = store.manifest(result["start"])
+    assert sft["stage"] == "sft" and sft["loss_history"][-1] < sft["loss_history"][0]
 
     # What an iteration records: every metric docs/algorithms.md lists, the lineage, the curve picture.
     metrics = store.manifest(result["policy"])["metrics"]
@@ -179,4 +162,4 @@ def test_dynamic_sampling_gives_up_when_every_group_is_uniform(prefect_api, ray_
     from posttrain_core.artifacts import ArtifactStore
 
     store = ArtifactStore(cfg.store)
-    assert _stage_count(store, "rollout") == 2 and _stage_count(store, "rl_update") == 0  # 2 generation batches
+    assert stage_count(store, "rollout") == 2 and stage_count(store, "rl_update") == 0  # 2 generation batches

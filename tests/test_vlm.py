@@ -91,8 +91,6 @@ def test_engine_log_probs_equal_a_full_forward_and_the_trainers(vlm):
 def test_a_vision_token_is_never_sampled(vlm, tmp_path):
     """The image-pad token's output row is pushed along the final hidden states: unbanned, greedy decoding picks it
     at every step; the engine never samples it, nor any other vision token."""
-    import shutil
-
     from posttrain_core.models.loading import load_causal_lm, load_tokenizer, save_checkpoint
     from posttrain_core.rollout.hf_engine import HFEngine
     from posttrain_core.vision.inputs import VisionSpec, batch_inputs
@@ -110,8 +108,7 @@ def test_a_vision_token_is_never_sampled(vlm, tmp_path):
         head[spec.image_token] = 50 * hidden.mean(0) / hidden.mean(0).norm()  # tied: the pad's input row is unused
         assert (model(input_ids=seq, **kw).logits[0].argmax(-1) == spec.image_token).float().mean() > 0.8
     forced = tmp_path / "forced"
-    save_checkpoint(model, load_tokenizer(vlm), forced)
-    shutil.copy(f"{vlm}/preprocessor_config.json", forced)
+    save_checkpoint(model, load_tokenizer(vlm), forced)  # with the image processor of the folder it came from
     out = HFEngine(str(forced)).generate(table, SamplingSettings(n=8, max_tokens=6, temperature=1.0, seed=1))
     sampled = {t for ids in out.column("response_ids").to_pylist() for t in ids}
     assert sampled and not sampled & set(spec.banned_ids), sampled

@@ -162,8 +162,20 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
     for name, (table, kind) in tables.items():
         if table.num_rows == 0:
             raise ValueError(f"prepare_data: the '{name}' dataset is empty")
-        tables[name] = (schemas.validate_table(table, kind, source=f"prepare_data.{name}"), kind)
+        table = schemas.validate_table(table, kind, source=f"prepare_data.{name}")
+        if cfg.blank_images and "images" in table.column_names:
+            table = _blanked(table)
+        tables[name] = (table, kind)
     return tables
+
+
+def _blanked(table: pa.Table) -> pa.Table:
+    """`table` with every image a white one of the same size (`DataConfig.blank_images`)."""
+    from posttrain_core.vision.images import blank_png
+
+    rows = table.column("images").to_pylist()
+    blank = pa.array([[blank_png(b) for b in r] if r else r for r in rows], table.schema.field("images").type)
+    return table.set_column(table.schema.get_field_index("images"), table.schema.field("images"), blank)
 
 
 def run_prepare_data(cfg: DataConfig, store: ArtifactStore) -> DataRefs:

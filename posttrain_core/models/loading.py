@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +264,7 @@ def save_checkpoint(
     else:
         model.save_pretrained(str(out), safe_serialization=True)
         inner = model
+        _copy_processor(Path(str(getattr(inner, "name_or_path", "") or "")), out)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     architectures = getattr(inner.config, "architectures", None) or [type(inner).__name__]
@@ -274,6 +276,20 @@ def save_checkpoint(
         "base_model": base_path,
         "num_parameters": num_parameters(model),
     }
+
+
+# A vision-language model's preprocessing settings (image size limits, patch and merge sizes): every model folder
+# made from it carries them, so its engine and trainer make the same image tokens.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def _copy_processor(source: Path, out: Path) -> None:
+    """The processor files of the folder a model was loaded from, next to its saved weights."""
+    if not source.is_dir() or source.resolve() == out.resolve():
+        return
+    for name in PROCESSOR_FILES:
+        if (source / name).exists():
+            shutil.copyfile(source / name, out / name)
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

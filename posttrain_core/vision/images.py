@@ -45,6 +45,13 @@ def encode_png(image: Any) -> bytes:
     return buf.getvalue()
 
 
+def blank_png(data: bytes) -> bytes:
+    """A white picture of the same size as the PNG `data` (the blank-image ablation)."""
+    from PIL import Image
+
+    return encode_png(Image.new("RGB", decode_png(data).size, (255, 255, 255)))
+
+
 def decode_png(data: bytes) -> Any:
     """PNG (or any image) bytes as an RGB PIL image."""
     from PIL import Image
