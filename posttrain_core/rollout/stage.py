@@ -71,7 +71,8 @@ def check_rollout_inputs(
 
     Raises:
         ValueError: not a `prompts` dataset, a column missing (SchemaError), duplicated prompt ids, no prompts, the
-            longest prompt + max_tokens beyond the model's context, or engine="vllm" without its environment.
+            longest prompt + max_tokens beyond the model's context, or engine="vllm" without its environment or
+            with a vision-language policy.
         FileNotFoundError: the policy folder is missing.
     """
     from posttrain_core.models.loading import check_model_path
@@ -90,8 +91,9 @@ def check_rollout_inputs(
     field = "RolloutConfig.tools.max_total_tokens" if cfg.tools else "RolloutConfig.max_tokens"
     check_context(policy_path, info, table, budget, field, STAGE)
     if cfg.engine == "vllm":
-        from posttrain_core.rollout.vllm_env import vllm_options
+        from posttrain_core.rollout.vllm_env import check_vllm_model, vllm_options
 
+        check_vllm_model(policy_path, "RolloutConfig.engine='vllm'")
         vllm_options(cfg)
     return table
 

