@@ -56,8 +56,9 @@ def run_evaluate(
     score_cfg = verifier_config(cfg)
     check_score_config(score_cfg, has_reward_model=False)
     if cfg.engine == "vllm":
-        from posttrain_core.rollout.vllm_env import vllm_options
+        from posttrain_core.rollout.vllm_env import check_vllm_model, vllm_options
 
+        check_vllm_model(store.local_path(model), "EvalConfig.engine='vllm'")
         vllm_options(EngineSpec(cfg.engine, "float32", cfg.num_engines), "EvalConfig")
 
     def build(ctx: StageContext) -> StageOutput:

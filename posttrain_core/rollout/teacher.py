@@ -109,8 +109,9 @@ def run_teacher_logprobs(
     teacher_path = str(store.local_path(teacher))
     check_model_path(teacher_path)
     if scoring.engine == "vllm":
-        from posttrain_core.rollout.vllm_env import vllm_options
+        from posttrain_core.rollout.vllm_env import check_vllm_model, vllm_options
 
+        check_vllm_model(teacher_path, "DistillConfig.engine='vllm'")
         vllm_options(scoring)
 
     def build(ctx: StageContext) -> StageOutput:
