@@ -29,6 +29,10 @@ import torch
 
 from posttrain_core.vision.images import IMAGE_MARKER
 
+# Families whose inputs are built here: a patch grid per image, vision start/end tokens and M-RoPE positions from the
+# model's own `get_rope_index`.
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl")
+
 
 @dataclass(frozen=True)
 class VisionSpec:
@@ -49,8 +53,13 @@ class VisionSpec:
         info = check_model_path(path)
         folder = Path(info["base_model"] or path)
         config = json.loads((folder / "config.json").read_text())
-        if config.get("image_token_id") is None:
+        if config.get("image_token_id") is None and config.get("image_token_index") is None:
             return None
+        if config.get("model_type") not in SUPPORTED or config.get("vision_start_token_id") is None:
+            raise ValueError(
+                f"model {path}: {config.get('model_type')} is a vision-language model of a family posttrain does not "
+                f"run yet (supported: {', '.join(SUPPORTED)}; docs/vlm.md)"
+            )
         vision = config.get("vision_config") or {}
         return cls(
             folder=str(folder),
