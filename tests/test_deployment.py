@@ -197,7 +197,7 @@ def test_a_run_cancelled_from_the_cli_resumes_and_completes_when_run_again(serve
 
     store = ArtifactStore(tmp_path / "deployment-store")
     # Enough SFT steps after the first checkpoint (step 10) that the cancel lands while SFT still trains.
-    long_sft = tiny_config.sft.model_copy(update={"max_steps": 400, "checkpoint_every": 10})
+    long_sft = tiny_config.sft.model_copy(update={"max_steps": 250, "checkpoint_every": 10})
     config = tiny_config.model_copy(update={"store": str(store.root), "sft": long_sft})
     params = {"config": config.model_dump(mode="json")}
 

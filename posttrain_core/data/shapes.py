@@ -49,14 +49,14 @@ def _scene(rng: random.Random, kind: str, answer: str) -> list[tuple[str, str, i
         cells = rng.sample([(0, 0), (1, 0), (0, 1), (1, 1)], int(answer))
         scene = []
         for cx, cy in cells:
-            size = rng.randint(10, 16)
+            size = rng.randint(18, 22)  # most of a 28-pixel quadrant: a tiny random-init tower learns to see it
             left = cx * SIZE // 2 + rng.randint(_MARGIN, SIZE // 2 - _MARGIN - size)
             top = cy * SIZE // 2 + rng.randint(_MARGIN, SIZE // 2 - _MARGIN - size)
             scene.append((rng.choice(SHAPES), rng.choice(tuple(COLOURS)), left, top, size))
         return scene
     shape = answer if kind == "shape" else rng.choice(SHAPES)
     colour = answer if kind == "colour" else rng.choice(tuple(COLOURS))
-    size = rng.randint(12, 20)
+    size = rng.randint(20, 24)  # at most a half less its margins, for the position questions
     x_side = {"left": "first", "right": "second"}.get(answer) if kind == "horizontal" else None
     y_side = {"top": "first", "bottom": "second"}.get(answer) if kind == "vertical" else None
     return [(shape, colour, _span(rng, size, x_side), _span(rng, size, y_side), size)]
