@@ -29,12 +29,12 @@ def vlm_config(seed: int = 0, blank_images: bool = False, iterations: int = 6) -
     return RLHFFlowConfig(
         experiment="posttrain-vlm",
         data=DataConfig(
-            families=["shapes"], n_train=3000, n_eval=200, n_rl_prompts=1024, seed=seed, blank_images=blank_images
+            families=["shapes"], n_train=6000, n_eval=200, n_rl_prompts=1024, seed=seed, blank_images=blank_images
         ),
         model=ModelConfig(arch="qwen2_vl", size="tiny", vocab_size=384, seed=seed),
         pretrain=None,
         sft=SFTConfig(
-            max_steps=300, global_batch_size=32, micro_batch_size=16, lr=3e-3, warmup_steps=20, max_seq_len=96,
+            max_steps=3000, global_batch_size=32, micro_batch_size=16, lr=3e-3, warmup_steps=20, max_seq_len=96,
             checkpoint_every=100, train_vision=True, seed=seed,
         ),  # fmt: skip
         iterations=iterations,
