@@ -130,11 +130,12 @@ def vllm_or_skip():
     return check
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_warm(ray_session):
-    """A warm group (`cluster.WarmGroup`) for the whole session: rollout stages run with `warm=vllm_warm` share its
+    """A warm group (`cluster.WarmGroup`) for a test module: its rollout stages run with `warm=vllm_warm` share its
     vLLM engine actor (start-up is the expensive part), which takes each stage's policy as a flow run's engines do.
-    A stage that must start its own engines runs without it."""
+    A stage that must start its own engines runs without it. Released with the module: an idle vLLM engine holds
+    gigabytes that the session's later tests (the real-model service above all) ran measurably slower without."""
     from posttrain_core.cluster import WarmGroup
 
     with WarmGroup.owned("tests") as group:
