@@ -78,7 +78,8 @@ class VisionSpec:
 
     @property
     def banned_ids(self) -> list[int]:
-        return banned_ids(json.loads((Path(self.folder) / "config.json").read_text()))
+        """`banned_ids` of this model: the four vision tokens the spec holds (no second read of its config)."""
+        return sorted({self.image_token, self.video_token, self.start_token, self.end_token})
 
     def pixels(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values: patches x features, image_grid_thw: images x 3) of PNG-encoded images."""
