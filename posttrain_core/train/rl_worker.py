@@ -43,6 +43,7 @@ class RLWorker:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world = rank, world_size
+        self._pixels_of, self._pixels = None, {}  # a VLM batch's decoded images by row (`_images`)
 
     def load(self, job: RLJob) -> dict[str, Any]:
         """Policy (trainable), reference, critic, optimizers and the previous update's trainer state.
@@ -194,7 +195,12 @@ class RLWorker:
             return None
         from posttrain_core.vision.inputs import batch_inputs
 
-        images = [self.vision.pixels(batch.images[i]) if batch.images and batch.images[i] else None for i in rows]
+        if self._pixels_of is not batch:  # decoded once per batch, not per micro-step and epoch
+            self._pixels_of, self._pixels = batch, {}
+        for i in rows:
+            if i not in self._pixels:
+                self._pixels[i] = self.vision.pixels(batch.images[i]) if batch.images and batch.images[i] else None
+        images = [self._pixels[i] for i in rows]
         return batch_inputs(self.policy, self.vision, ids, attn, images, f"{self.job.stage} rows {rows[0]}..")
 
     def _eval_logp(self, ids, attn, pos, labels, shared=None, images=None):
