@@ -104,8 +104,8 @@ class ModelConfig(_Config):
         "as a float32 model artifact), a model artifact's key, or a tinker:// checkpoint of `posttrain serve`. "
         "Empty: build a tiny model.",
     )
-    arch: Literal["llama", "qwen2", "qwen2_vl"] = Field(
-        "llama", description="tiny model: architecture (qwen2_vl: a vision-language model, docs/vlm.md)"
+    arch: Literal["llama", "qwen2", "qwen2_vl", "llava"] = Field(
+        "llama", description="tiny model: architecture (qwen2_vl, llava: vision-language models, docs/vlm.md)"
     )
     size: Literal["tiny", "small"] = Field(
         "small", description="tiny model preset: tiny = 64 hidden x 2 layers, small = 128 hidden x 4 layers"

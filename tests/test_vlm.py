@@ -1,7 +1,7 @@
-"""A vision-language model through the engine and the trainer, without Ray: a tiny random-init Qwen2-VL built by the
-project (`vision.tiny_vlm`), prompts with images of several sizes.
+"""A vision-language model through the engine and the trainer, without Ray: tiny random-init Qwen2-VL and LLaVA
+built by the project (`vision.tiny_vlm`), prompts with images of several sizes.
 
-- the hf engine's KV-cache decode (left-padded prefill with pixels and 3-D positions, then text steps) gives the
+- the hf engine's KV-cache decode (left-padded prefill with pixels and positions, then text steps) gives the
   log-probs of a full forward of each row alone, and the trainer's (`TokenLogprobs`, a right-padded batch with the
   same pixels) too;
 - a vision token is never sampled, however likely the model makes it;
@@ -29,13 +29,15 @@ def png(colour: tuple[int, int, int], size: tuple[int, int] = (56, 56)) -> bytes
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def vlm(request, tmp_path_factory):
+    """Each family: Qwen2-VL (patch grids, M-RoPE) and LLaVA (fixed-size images, 1-D positions)."""
     from posttrain_core.models.tokenizer import train_tokenizer
-    from posttrain_core.vision.tiny_vlm import build_tiny_vlm_checkpoint
+    from posttrain_core.vision import tiny_vlm
 
     texts = ["What colour is the shape? The answer is red.", "Which shape is it? The answer is circle."] * 40
-    return str(build_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm"), train_tokenizer(texts, vocab_size=320)))
+    build = tiny_vlm.build_tiny_vlm_checkpoint if request.param == "qwen2_vl" else tiny_vlm.build_tiny_llava_checkpoint
+    return str(build(tmp_path_factory.mktemp(request.param), train_tokenizer(texts, vocab_size=320)))
 
 
 def prompts(n_images: list[int]) -> pa.Table:
@@ -142,9 +144,11 @@ def test_lora_adapts_the_language_model_and_the_tower_stays_frozen(vlm):
     from posttrain_core.vision.inputs import freeze_tower
 
     model = load_causal_lm(vlm)
-    tower = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual."))
+    tower = sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith(("model.visual.", "model.vision_tower."))
+    )
     assert tower > 0 and freeze_tower(model) == tower
-    assert not any(p.requires_grad for n, p in model.named_parameters() if ".visual." in n)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".visual." in n or ".vision_tower." in n)
     adapted = apply_lora(load_causal_lm(vlm), LoraConfig(r=4, alpha=8))
     trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trained and all("language_model" in n and "lora_" in n for n in trained), trained[:4]

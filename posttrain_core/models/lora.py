@@ -23,6 +23,9 @@ from posttrain_core.config import LoraConfig
 
 logger = logging.getLogger(__name__)
 
+# Where a VLM keeps its vision tower and projector (Qwen2-VL: visual; LLaVA: vision_tower, multi_modal_projector).
+TOWER = ("visual", "vision_tower", "multi_modal_projector")
+
 
 def linear_names(model: torch.nn.Module) -> set[str]:
     """The leaf names of the model's Linear layers ("q_proj", "lm_head", ...): what `target_modules` can name."""
@@ -104,7 +107,10 @@ def apply_lora(model: PreTrainedModel, lora: LoraConfig, seed: int | None = None
     Raises:
         ValueError: none of `lora.target_modules` names a Linear layer of the model.
     """
-    config = peft_config(check_targets(model, lora))
+    # A VLM's adapter is the language model's: a CLIP tower's q_proj/v_proj carry the same leaf names as the LM's.
+    vision = any(n in {f"model.{t}" for t in TOWER} for n, _ in model.named_modules())
+    extra = {"exclude_modules": rf"model\.({'|'.join(TOWER)})\..*"} if vision else {}
+    config = peft_config(check_targets(model, lora), **extra)
     with seeded(seed):
         return get_peft_model(model, config)
 

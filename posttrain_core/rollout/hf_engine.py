@@ -328,7 +328,7 @@ def decode(
     Args:
         model: a causal LM (or a peft model, with the adapter to sample from active).
         eos_ids: the tokens that end a sample ("stop", kept in the response).
-        vision: a VLM's prompt pixels (`Vision`); the prefill takes them with 3-D positions, the decode steps are
+        vision: a VLM's prompt pixels (`Vision`); the prefill takes them with its positions, the decode steps are
             text, and the vision tokens are never sampled.
     """
     from posttrain_core.models.heads import distinct, left_padded
@@ -348,7 +348,7 @@ def decode(
             model, vision.spec, ids_U_P, mask_U_P, [vision.pixels[first[u]] for u in range(U)],
             [vision.grids[first[u]] for u in range(U)], "HFEngine prefill",
         )  # fmt: skip
-        pos_U_P = extra.pop("position_ids")  # 3 x U x P; the prompt's last token is text: its 3 rows agree
+        pos_U_P = extra.pop("position_ids")  # M-RoPE: 3 x U x P; the prompt's last token is text: its 3 rows agree
         banned_V = torch.tensor(vision.spec.banned_ids)
     # Each sample's stream: torch.rand(max_tokens) from its own generator; step t uses element t.
     uniforms_B_T = torch.zeros((B, params.max_tokens))
@@ -373,7 +373,8 @@ def decode(
     cache = out.cache
     if U < B:
         cache.reorder_cache(src_B)  # prompt rows -> sample rows (an index_select of every layer's keys/values)
-    pos_B = pos_U_P[src_B, -1] if vision is None else pos_U_P[0, src_B, -1]
+    mrope = pos_U_P.dim() == 3
+    pos_B = pos_U_P[0, src_B, -1] if mrope else pos_U_P[src_B, -1]
     mask_B_L = torch.cat([mask_U_P[src_B], torch.ones((B, params.max_tokens), dtype=torch.long)], dim=1)
     logits_B_V = out.logits[src_B, -1, :].float()
     for step in range(params.max_tokens):
@@ -402,7 +403,7 @@ def decode(
         out = model(
             input_ids=feed_B[:, None],
             attention_mask=mask_B_L[:, : P + step + 1],
-            position_ids=pos_B[:, None] if vision is None else pos_B[None, :, None].expand(3, B, 1),
+            position_ids=pos_B[None, :, None].expand(3, B, 1) if mrope else pos_B[:, None],
             cache=cache,
             use_cache=True,
         )

@@ -1,8 +1,10 @@
-"""A tiny random-init Qwen2-VL for tests and the VLM demo, on the project's own tokenizer, built without any hub.
+"""Tiny random-init VLMs for tests and the VLM demo, on the project's own tokenizer, built without any hub.
 
 Qwen2-VL is the family whose inputs exercise everything a real VLM needs: a vision tower, image tokens expanded from
-the image's patch grid, and 3-D (M-RoPE) positions. The folder it writes is a complete Hugging Face VLM folder
-(model, tokenizer with the vision special tokens, `preprocessor_config.json`), loaded like any user's VLM.
+the image's patch grid, and 3-D (M-RoPE) positions. LLaVA is the other common layout: a CLIP tower, a projector, every
+image cropped to one size and spliced in as a fixed run of `<image>` tokens, plain 1-D positions. Each folder written
+here is a complete Hugging Face VLM folder (model, tokenizer with the vision special tokens,
+`preprocessor_config.json`), loaded like any user's VLM.
 """
 
 from __future__ import annotations
@@ -27,10 +29,82 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def add_vision_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+# LLaVA's image token; its images are cropped to LLAVA_IMAGE x LLAVA_IMAGE pixels, LLAVA_PATCH-pixel patches: 16 tokens.
+LLAVA_IMAGE_TOKEN, LLAVA_IMAGE, LLAVA_PATCH = "<image>", 56, 14
+
+
+def add_vision_tokens(tokenizer: PreTrainedTokenizerBase, tokens=VISION_TOKENS) -> dict[str, int]:
     """Add the vision special tokens (kept whole by the tokenizer, never split) and return their ids."""
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    return {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
+
+
+def _text_config(tokenizer: PreTrainedTokenizerBase, p: dict[str, int], max_position_embeddings: int) -> dict:
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=p["hidden_size"],
+        intermediate_size=((8 * p["hidden_size"] // 3 + 31) // 32) * 32,
+        num_hidden_layers=p["num_layers"],
+        num_attention_heads=p["num_heads"],
+        num_key_value_heads=p["num_kv_heads"],
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def _save(model, tokenizer: PreTrainedTokenizerBase, processor, out_dir: str | Path) -> Path:
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    processor.save_pretrained(str(out))
+    return out
+
+
+def build_tiny_llava_checkpoint(
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    size: str = "tiny",
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random-init LLaVA (CLIP tower, projector, Llama language model) to `out_dir`; the arguments are
+    `build_tiny_vlm_checkpoint`'s."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    p = PRESETS[size]
+    ids = add_vision_tokens(tokenizer, (LLAVA_IMAGE_TOKEN,))
+    side = LLAVA_IMAGE // LLAVA_PATCH
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=p["vision_dim"],
+        intermediate_size=2 * p["vision_dim"],
+        num_hidden_layers=p["vision_depth"],
+        num_attention_heads=2,
+        image_size=LLAVA_IMAGE,
+        patch_size=LLAVA_PATCH,
+    )
+    config = LlavaConfig(
+        text_config={"model_type": "llama", **_text_config(tokenizer, p, max_position_embeddings)},
+        vision_config=vision,
+        image_token_index=ids[LLAVA_IMAGE_TOKEN],
+        image_seq_length=side * side,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    processor = LlavaImageProcessorPil(
+        size={"shortest_edge": LLAVA_IMAGE}, crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE}
+    )
+    return _save(LlavaForConditionalGeneration(config), tokenizer, processor, out_dir)
 
 
 def build_tiny_vlm_checkpoint(
@@ -55,20 +129,14 @@ def build_tiny_vlm_checkpoint(
     # M-RoPE splits the rotary half of a head into (time, height, width) sections, in Qwen2-VL's proportions
     t = head // 8
     hw = (head // 2 - t) // 2
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=p["hidden_size"],
-        intermediate_size=((8 * p["hidden_size"] // 3 + 31) // 32) * 32,
-        num_hidden_layers=p["num_layers"],
-        num_attention_heads=p["num_heads"],
-        num_key_value_heads=p["num_kv_heads"],
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [t, hw, head // 2 - t - hw]},
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=True,
-    )  # fmt: skip
+    text = {
+        **_text_config(tokenizer, p, max_position_embeddings),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [t, hw, head // 2 - t - hw],
+        },
+    }
     vision = dict(
         depth=p["vision_depth"],
         embed_dim=p["vision_dim"],
@@ -93,13 +161,5 @@ def build_tiny_vlm_checkpoint(
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(str(out))
-    return out
+    processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    return _save(Qwen2VLForConditionalGeneration(config), tokenizer, processor, out_dir)
