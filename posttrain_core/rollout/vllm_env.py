@@ -115,13 +115,13 @@ def check_vllm_model(model_path: str | Path, where: str = "VLLMEngine") -> None:
         where: what the message starts with: the engine, or the config setting that chose it.
 
     Raises:
-        ValueError: its config has an `image_token_id` (e.g. Qwen2-VL): use engine="hf" (docs/vlm.md).
+        ValueError: its config has an image token (Qwen2-VL, LLaVA...): use engine="hf" (docs/vlm.md).
     """
     from posttrain_core.models.loading import check_model_path
 
     info = check_model_path(model_path)
     config = json.loads((Path(info["base_model"] or model_path) / "config.json").read_text())
-    if config.get("image_token_id") is not None:
+    if config.get("image_token_id", config.get("image_token_index")) is not None:
         raise ValueError(
             f"{where}: {info.get('model_type')} ('{model_path}') is a vision-language model, which the vLLM CPU "
             f"engine here cannot run ({VLM_REASON}): use engine='hf'"
