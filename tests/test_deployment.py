@@ -48,8 +48,8 @@ def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:  # the worker has been seen ignoring SIGTERM for ~20 s
+            proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:  # the worker has been seen ignoring SIGTERM for ~20 s; it runs nothing now
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
 

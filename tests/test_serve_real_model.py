@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-MEMORY_GB = 6.0  # one worker: the process with the model (~1 GB), its adapters, one 2,000-token datum per pass
+MEMORY_GB = 4.0  # one worker: the process with the model (~1 GB), its adapters, one 1,000-token datum per pass
 KEY = "tml-real"
 
 
@@ -59,8 +59,8 @@ def test_the_batches_users_send_stay_within_the_memory_budget(service):
         budget_mb = MEMORY_GB * 1024
         assert worker_status(service)["memory_budget_mb"] == pytest.approx(budget_mb)
         # many short datums (the service once grew to 20 GB on 1,030 x 10), then long ones: either way the budget
-        # cuts them into several passes (2.5k and 4k tokens here: more than one pass of a 6 GB budget holds, ~2.2k)
-        for n, length in ((256, 10), (2, 2000)):
+        # cuts them into several passes (1.3k and 2k tokens here: more than one pass of a 4 GB budget holds)
+        for n, length in ((128, 10), (2, 1000)):
             data = batch(rng, n, length)
             passes = worker_status(service)["fwdbwd_passes"]
             out = tc.forward_backward(data, "cross_entropy").result()

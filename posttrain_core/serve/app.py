@@ -87,16 +87,18 @@ def start(config: ServeConfig) -> str:
     connect()
     share = memory_budget(config) // len(config.base_models)
     serve.start(http_options={"host": config.host, "port": config.port})
-    unlimited = {"max_ongoing_requests": 1_000_000}
+    # Queues are the gateway's own (bounded, 429 beyond). On Ctrl-C a replica gives its requests in flight 5 s, not
+    # Serve's 20: a tenant's unsaved state is lost at a stop anyway, and saved states reload on the next start.
+    options = {"max_ongoing_requests": 1_000_000, "graceful_shutdown_timeout_s": 5, "graceful_shutdown_wait_loop_s": 0.5}
     workers = {
         name: serve.deployment(
-            ModelWorker, name=f"model-{i}", ray_actor_options={"num_cpus": 0, "memory": share}, **unlimited
+            ModelWorker, name=f"model-{i}", ray_actor_options={"num_cpus": 0, "memory": share}, **options
         ).bind(name, path, config, share)
         for i, (name, path) in enumerate(config.base_models.items())
     }
     # No per-request access log: every client heartbeats and long-polls; lifecycle events are logged instead.
     logging_config = {"enable_access_log": False, "log_level": "INFO"}
-    app = Gateway.options(ray_actor_options={"num_cpus": 0}, **unlimited).bind(config, keys, workers)
+    app = Gateway.options(ray_actor_options={"num_cpus": 0}, **options).bind(config, keys, workers)
     serve.run(app, name="posttrain", route_prefix="/", logging_config=logging_config)
     url = f"http://{config.host}:{config.port}"
     log.info(
