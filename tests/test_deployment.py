@@ -219,6 +219,12 @@ def test_a_run_cancelled_from_the_cli_resumes_and_completes_when_run_again(serve
     rerun = server.run("sft/demo", params)
     sft = [r for r in store.list() if r.key not in published and store.manifest(r)["stage"] == "sft"]
     assert len(sft) == 1 and store.manifest(sft[0])["resumed_from_step"] >= 10  # resumed, not restarted
+    # RAY_ADDRESS: the run's workers ran on the session's cluster (its GCS port; Ray reports the node's own IP), not
+    # on a local Ray of the run's process.
+    import ray
+
+    gcs_port = ray.get_runtime_context().gcs_address.rsplit(":", 1)[1]
+    assert store.manifest(sft[0])["ray_address"].rsplit(":", 1)[1] == gcs_port, store.manifest(sft[0])["ray_address"]
     assert {k: store.manifest(k)["created"] for k in published} == published  # published stages were not redone
     assert "evaluate" in {store.manifest(r)["stage"] for r in store.list()}
     # The cancelled run's MLflow run ended KILLED (by Prefect's termination signal, or by the rerun's orphan sweep).

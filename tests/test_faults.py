@@ -1,22 +1,18 @@
-"""Faults from outside, and a Ray cluster other than the local one.
+"""Faults from outside.
 
 - A Ray training worker process SIGKILLed by the test mid-training: the stage's Prefect task retries, the retry
   resumes from the last in-stage checkpoint and ends exactly where an uninterrupted run ends, nothing already
   published is rebuilt, and the MLflow stage runs end FAILED (the killed attempt) and FINISHED (the retry).
-- `RAY_ADDRESS`: a second Ray head started by the test with `ray start --head` on loopback ports runs a stage's
-  workers; the manifest records the cluster.
-(The whole-process kill is in test_rlhf_flow.py; the CLI cancel in test_deployment.py.)
+(The whole-process kill is in test_rlhf_flow.py; the CLI cancel in test_deployment.py, whose flow runs join the
+session's Ray cluster through `RAY_ADDRESS`.)
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -25,7 +21,6 @@ from posttrain_core.config import SFTConfig
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _train_workers() -> list[psutil.Process]:
@@ -134,74 +129,3 @@ def test_ray_worker_killed_mid_training_resumes_from_checkpoint(prefect_api, ray
     assert clean.manifest(clean_ref)["loss_history"][resumed:] == pytest.approx(
         manifest["loss_history"], rel=1e-4, abs=1e-5
     )
-
-
-SFT_ON_CLUSTER = """
-import json, sys
-from posttrain_core.artifacts import ArtifactRef, ArtifactStore
-from posttrain_core.config import SFTConfig
-from posttrain_core.train.sft import run_sft
-cfg, data, base, root = sys.argv[1:5]
-ref = run_sft(SFTConfig.model_validate_json(cfg), ArtifactRef.model_validate_json(data),
-              ArtifactRef.model_validate_json(base), ArtifactStore(root))
-print("REF", ref.model_dump_json())
-"""
-
-
-def test_ray_address_runs_stages_on_that_cluster(tiny_inputs, tmp_path):
-    from posttrain_core.artifacts import ArtifactStore
-    from posttrain_core.cluster import free_port
-
-    _, data, base = tiny_inputs
-    port = free_port()
-    ports = [free_port() for _ in range(3)]
-    bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    temp_dir = f"/tmp/pt-ray-{port}"
-    head = subprocess.Popen(
-        [
-            bin_dir / "ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-            "--num-cpus", "2", "--include-dashboard", "false", "--ray-client-server-port", str(ports[0]),
-            "--node-manager-port", str(ports[1]), "--object-manager-port", str(ports[2]),
-            "--temp-dir", temp_dir,  # short: Ray's socket paths must fit in 107 bytes
-        ],
-        env=env, stdout=(tmp_path / "head.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        address = f"127.0.0.1:{port}"
-        cfg = SFTConfig(max_steps=4, global_batch_size=8, micro_batch_size=4, max_seq_len=64, warmup_steps=1,
-                        checkpoint_every=0, log_every=2, seed=5)  # fmt: skip
-        root = tmp_path / "store"
-        deadline = time.time() + 120
-        while True:  # the head is up once `ray status` can reach it
-            ok = subprocess.run([bin_dir / "ray", "status", "--address", address], env=env, capture_output=True)
-            if ok.returncode == 0:
-                break
-            assert head.poll() is None and time.time() < deadline, (tmp_path / "head.log").read_text()[-3000:]
-            time.sleep(1)
-        assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
-        run = subprocess.run(
-            [sys.executable, "-c", SFT_ON_CLUSTER, cfg.model_dump_json(), data.sft.model_dump_json(),
-             base.model_dump_json(), str(root)],
-            cwd=REPO, capture_output=True, text=True, timeout=600,
-            env={**env, "RAY_ADDRESS": address, "PYTHONPATH": str(REPO)},
-        )  # fmt: skip
-        assert run.returncode == 0, run.stderr[-4000:]
-        ref_line = next(line for line in run.stdout.splitlines() if line.startswith("REF "))
-        from posttrain_core.artifacts import ArtifactRef
-
-        ref = ArtifactRef.model_validate_json(ref_line[4:])
-        manifest = ArtifactStore(root).manifest(ref)
-        # The workers ran on the test's head (its GCS port; Ray reports the node's own IP), not on a new local Ray.
-        assert manifest["ray_address"].rsplit(":", 1)[1] == str(port), manifest["ray_address"]
-        assert len(manifest["loss_history"]) == 4
-    finally:
-        if head.poll() is None:
-            # Killed outright: on SIGTERM `ray start --block` takes ~30 s to stop the head's processes, which all
-            # share its process group (gcs_server, raylet, agents, workers); its temp dir goes below.
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=10)
-        import shutil
-
-        shutil.rmtree(temp_dir, ignore_errors=True)
