@@ -196,8 +196,8 @@ def test_a_run_cancelled_from_the_cli_resumes_and_completes_when_run_again(serve
     from posttrain_core.artifacts import ArtifactStore
 
     store = ArtifactStore(tmp_path / "deployment-store")
-    # Enough SFT steps after the first checkpoint (step 10) that the cancel lands while SFT still trains.
-    long_sft = tiny_config.sft.model_copy(update={"max_steps": 250, "checkpoint_every": 10})
+    # Enough SFT steps after the first checkpoint (step 5) that the cancel lands while SFT still trains.
+    long_sft = tiny_config.sft.model_copy(update={"max_steps": 150, "checkpoint_every": 5})
     config = tiny_config.model_copy(update={"store": str(store.root), "sft": long_sft})
     params = {"config": config.model_dump(mode="json")}
 
@@ -218,7 +218,7 @@ def test_a_run_cancelled_from_the_cli_resumes_and_completes_when_run_again(serve
 
     rerun = server.run("sft/demo", params)
     sft = [r for r in store.list() if r.key not in published and store.manifest(r)["stage"] == "sft"]
-    assert len(sft) == 1 and store.manifest(sft[0])["resumed_from_step"] >= 10  # resumed, not restarted
+    assert len(sft) == 1 and store.manifest(sft[0])["resumed_from_step"] >= 5  # resumed, not restarted
     # RAY_ADDRESS: the run's workers ran on the session's cluster (its GCS port; Ray reports the node's own IP), not
     # on a local Ray of the run's process.
     import ray

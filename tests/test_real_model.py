@@ -140,7 +140,7 @@ def test_grpo_with_lora_on_the_vllm_engine_swaps_the_adapter_in_place(real_run, 
     config, _ = real_run
     rollout = config.rollout.model_copy(update={"engine": "vllm", "seed": 1})
     vllm_or_skip(rollout)
-    config = config.model_copy(update={"rollout": rollout, "sft": None})
+    config = config.model_copy(update={"rollout": rollout})  # SFT and the evaluation before RL: cache hits
     result = rlhf_flow(config)
     store = ArtifactStore(config.store)
     updates = {store.manifest(r)["key"]: store.manifest(r) for r in store.list() if r.kind == "model"}
