@@ -114,6 +114,14 @@ def cmd_gc(store: ArtifactStore, keep_last: int, stage: str | None, dry_run: boo
         + (f"; skipped {skipped} (locked by a running build, or its lineage)" if skipped else "")
         + ("; nothing was deleted (dry run)" if dry_run else "")
     )
+    if not store.is_local and not dry_run:  # this machine's copies (each node trims its own as it downloads)
+        from posttrain_core.artifacts.cache import trim
+
+        report = trim(store)
+        print(
+            f"local cache {store.cache_root}: removed {len(report.deleted_in_store)} copies of deleted artifacts, "
+            f"{len(report.interrupted)} interrupted downloads, evicted {len(report.evicted)}; {_human(report.kept_bytes)} kept"
+        )
 
 
 def _artifacts(args: argparse.Namespace) -> None:

@@ -56,6 +56,28 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def s3(session_dir):
+    """An S3 API on 127.0.0.1 (`s3_server`) for the session, with a bucket; its environment is set for the session."""
+    from s3_server import s3_server
+
+    with s3_server(session_dir / "s3.log") as env:
+        yield env
+
+
+@pytest.fixture(params=["memory", "s3"])
+def remote_root(request, tmp_path, monkeypatch) -> str:
+    """A fresh root on each remote filesystem the store is tested on: fsspec's in-memory one, and an S3 server. HOME
+    points into tmp_path, so the store's local cache and staging start empty."""
+    import uuid
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    name = f"posttrain-test-{uuid.uuid4().hex}"
+    if request.param == "memory":
+        return f"memory://{name}"
+    return f"s3://{request.getfixturevalue('s3')['bucket']}/{name}"
+
+
 @pytest.fixture
 def store(tmp_path):
     from posttrain_core.artifacts import ArtifactStore

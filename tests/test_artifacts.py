@@ -12,11 +12,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from datetime import datetime
 from pathlib import Path
 
-import fsspec
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -113,13 +113,10 @@ def test_digest_is_blake3_of_paths_sizes_and_bytes(store: ArtifactStore) -> None
     assert content_digest(ref.path, like=legacy) == legacy  # a digest of an older store: recomputed as sha256
 
 
-def test_an_artifact_from_an_older_store_with_a_sha256_digest_downloads_and_is_verified(
-    tmp_path: Path, monkeypatch
-) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    store = ArtifactStore(f"memory://posttrain-test-{uuid.uuid4().hex}")
+def test_an_artifact_from_an_older_store_with_a_sha256_digest_downloads_and_is_verified(remote_root: str) -> None:
+    store = ArtifactStore(remote_root)
     ref = _publish(store, KEY, {"model.safetensors": b"w" * 1000})
-    fs = fsspec.filesystem("memory")
+    fs = store.fs
     manifest_path = f"{store._root}/artifacts/ab/{KEY}/manifest.json"
     manifest = json.loads(fs.cat_file(manifest_path))
     manifest["digest"] = hashlib.sha256(b"model.safetensors\x001000\x00" + b"w" * 1000).hexdigest()
@@ -420,15 +417,13 @@ def test_default_root(tmp_path: Path, monkeypatch) -> None:
     assert ArtifactStore(f"file://{tmp_path}/url-store").root == str(tmp_path / "url-store")
 
 
-def test_memory_fsspec_store(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    root = f"memory://posttrain-test-{uuid.uuid4().hex}"
-    store = ArtifactStore(root)
+def test_remote_fsspec_store(remote_root: str, tmp_path: Path) -> None:
+    store = ArtifactStore(remote_root)
     assert not store.is_local and store.staging_root.is_relative_to(tmp_path / "home" / ".cache" / "posttrain")
     files = {"model.safetensors": b"w" * 1000, "tok/vocab.json": b"{}"}
     assert store.get(KEY) is None
     ref = _publish(store, KEY, files)
-    assert ref.uri == f"{store.root}/artifacts/ab/{KEY}" and ref.uri.startswith("memory://")
+    assert ref.uri == f"{store.root}/artifacts/ab/{KEY}" and ref.uri.startswith(remote_root.split("://")[0] + "://")
     assert store.get(KEY) == ref and store.list() == [ref]
     assert store.manifest(ref)["files"] == [
         {"path": "model.safetensors", "size": 1000},
@@ -441,8 +436,9 @@ def test_memory_fsspec_store(tmp_path: Path, monkeypatch) -> None:
     assert store.local_path(ref) == local  # cached, not downloaded again
     with pytest.raises(ValueError, match="local_path"):
         _ = ref.path
-    fs = fsspec.filesystem("memory")
+    fs = store.fs
     fs.pipe_file(f"{store._root}/artifacts/ab/.tmp-{KEY}-dead/manifest.json", b"{}")
+    fs.invalidate_cache()
     assert store.list() == [ref] and store.sweep(max_age_s=0) == 1
     assert fs.ls(f"{store._root}/artifacts/ab", detail=False) == [f"{store._root}/artifacts/ab/{KEY}"]
 
@@ -498,9 +494,8 @@ def test_sigkill_mid_delete_hides_the_artifact_and_sweep_removes_the_rest(store:
     assert _entries(store, KEY) == []
 
 
-def test_delete_from_a_remote_store(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    store = ArtifactStore(f"memory://posttrain-test-{uuid.uuid4().hex}")
+def test_delete_from_a_remote_store(remote_root: str, monkeypatch) -> None:
+    store = ArtifactStore(remote_root)
     ref = _publish(store, KEY, {"model.safetensors": b"w" * 100, "tok/vocab.json": b"{}"})
     assert store.local_path(ref).is_dir()
     assert store.delete(KEY) and store.get(KEY) is None and store.generation(KEY) == 1
@@ -541,3 +536,39 @@ def test_start_writeback_starts_the_disk_write_of_a_folder_or_a_file_and_changes
             assert fsio._sync_file_range()(fd, 0, 0, 2) == 0  # the call the kernel accepted
         finally:
             os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------- node caches
+def test_a_machines_cache_drops_deleted_artifacts_and_interrupted_downloads_then_keeps_its_bound(
+    remote_root: str, tmp_path: Path, monkeypatch
+) -> None:
+    """Three cached copies of 1,000 bytes on this machine; another machine deletes one artifact from the store; a
+    download killed here left a temp folder. Trimming to 1,500 bytes removes the deleted artifact's copy and the
+    temp folder, then evicts the least recently used copy; a copy used within `min_idle_s` is never evicted."""
+    from posttrain_core.artifacts import cache
+
+    store = ArtifactStore(remote_root)
+    keys = [f"c{i}" + "0" * 62 for i in range(3)]
+    refs = [_publish(store, key, {"w.bin": bytes([i]) * 1000}) for i, key in enumerate(keys)]
+    copies = [store.local_path(ref) for ref in refs]
+    old = time.time() - 7200
+    for i, copy in enumerate(copies):  # used two hours ago, copy 0 first
+        os.utime(copy / "manifest.json", (old + i, old + i))
+    killed = store.cache_root / f".tmp-{keys[0]}-{uuid.uuid4().hex}"
+    (killed / "w.bin").parent.mkdir(parents=True)
+    (killed / "w.bin").write_bytes(b"partial")
+    os.utime(killed, (old, old))
+    ArtifactStore(remote_root, workdir=tmp_path / "other-machine").delete(keys[1])  # gc on another machine
+    assert copies[1].exists()  # still cached here, until this machine trims
+
+    report = cache.trim(store, max_bytes=1500)
+    assert report.deleted_in_store == [keys[1]] and report.interrupted == [killed.name]
+    assert report.evicted == [keys[0]] and report.kept_bytes < 1500
+    assert [c.exists() for c in copies] == [False, False, True]
+    assert store.local_path(refs[0]).is_dir()  # evicted: downloaded again, checked against its digest
+
+    # A bound of 0 evicts every copy but the one used just now (by local_path): a stage may be reading it.
+    assert cache.trim(store, max_bytes=0).evicted == [keys[2]] and (store.cache_root / keys[0]).is_dir()
+    monkeypatch.setenv("POSTTRAIN_CACHE_GB", "lots")
+    with pytest.raises(ValueError, match="POSTTRAIN_CACHE_GB='lots'"):
+        cache.cache_bound_bytes()

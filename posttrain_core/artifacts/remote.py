@@ -99,10 +99,14 @@ def locate(store: ArtifactStore, uri: str) -> tuple[fsspec.AbstractFileSystem | 
 
 def download(store: ArtifactStore, ref: ArtifactRef) -> Path:
     """The local copy of a remote artifact in `{cache_root}/{key}`: reused while its manifest digest is the ref's,
-    else downloaded into a temp folder, checked against the digest, and renamed into place."""
+    else downloaded into a temp folder, checked against the digest, and renamed into place (a kill in between leaves
+    only the temp folder, which `cache.trim` removes). The cache is then trimmed to its bound (`cache`)."""
+    from posttrain_core.artifacts import cache
+
     dest = store.cache_root / ref.key
     cached = read_manifest(None, str(dest))
     if cached is not None and cached.get("digest") == ref.digest:
+        cache.touch(dest)
         return dest
     fs, folder = locate(store, ref.uri)
     assert fs is not None  # local URIs never reach download
@@ -138,6 +142,7 @@ def download(store: ArtifactStore, ref: ArtifactRef) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("downloaded %s from %s to %s", ref.key, ref.uri, dest)
+    cache.trim(store, check_store=False)  # within its bound; this copy, just used, stays
     return dest
 
 
