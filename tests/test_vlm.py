@@ -36,8 +36,8 @@ def vlm(request, tmp_path_factory):
     from posttrain_core.vision import tiny_vlm
 
     texts = ["What colour is the shape? The answer is red.", "Which shape is it? The answer is circle."] * 40
-    build = tiny_vlm.build_tiny_vlm_checkpoint if request.param == "qwen2_vl" else tiny_vlm.build_tiny_llava_checkpoint
-    return str(build(tmp_path_factory.mktemp(request.param), train_tokenizer(texts, vocab_size=320)))
+    tokenizer = train_tokenizer(texts, vocab_size=320)
+    return str(tiny_vlm.build_tiny_vlm_checkpoint(tmp_path_factory.mktemp(request.param), tokenizer, request.param))
 
 
 def prompts(n_images: list[int]) -> pa.Table:

@@ -94,12 +94,12 @@ def run_build_model(cfg: ModelConfig, corpus: ArtifactRef | None, store: Artifac
         texts = read_dataset(store.local_path(corpus), "text").column("text").to_pylist()
         tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
         if cfg.arch in ("qwen2_vl", "llava"):
-            from posttrain_core.vision import tiny_vlm
+            from posttrain_core.vision.tiny_vlm import build_tiny_vlm_checkpoint
 
-            build = (
-                tiny_vlm.build_tiny_vlm_checkpoint if cfg.arch == "qwen2_vl" else tiny_vlm.build_tiny_llava_checkpoint
-            )
-            build(ctx.outdir, tokenizer, cfg.size, max_position_embeddings=cfg.max_position_embeddings, seed=cfg.seed)
+            build_tiny_vlm_checkpoint(
+                ctx.outdir, tokenizer, cfg.arch, cfg.size, max_position_embeddings=cfg.max_position_embeddings,
+                seed=cfg.seed,
+            )  # fmt: skip
         else:
             build_tiny_checkpoint(
                 ctx.outdir,

@@ -55,31 +55,11 @@ def _text_config(tokenizer: PreTrainedTokenizerBase, p: dict[str, int], max_posi
     )
 
 
-def _save(model, tokenizer: PreTrainedTokenizerBase, processor, out_dir: str | Path) -> Path:
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    processor.save_pretrained(str(out))
-    return out
-
-
-def build_tiny_llava_checkpoint(
-    out_dir: str | Path,
-    tokenizer: PreTrainedTokenizerBase,
-    size: str = "tiny",
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-) -> Path:
-    """Write a tiny random-init LLaVA (CLIP tower, projector, Llama language model) to `out_dir`; the arguments are
-    `build_tiny_vlm_checkpoint`'s."""
+def _llava(tokenizer: PreTrainedTokenizerBase, p: dict[str, int], max_position_embeddings: int):
+    """(config, model class, image processor) of a tiny LLaVA: CLIP tower, projector, Llama language model."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
-    p = PRESETS[size]
     ids = add_vision_tokens(tokenizer, (LLAVA_IMAGE_TOKEN,))
     side = LLAVA_IMAGE // LLAVA_PATCH
     vision = dict(
@@ -100,43 +80,24 @@ def build_tiny_llava_checkpoint(
         vision_feature_select_strategy="default",
         tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
     processor = LlavaImageProcessorPil(
         size={"shortest_edge": LLAVA_IMAGE}, crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE}
     )
-    return _save(LlavaForConditionalGeneration(config), tokenizer, processor, out_dir)
+    return config, LlavaForConditionalGeneration, processor
 
 
-def build_tiny_vlm_checkpoint(
-    out_dir: str | Path,
-    tokenizer: PreTrainedTokenizerBase,
-    size: str = "tiny",
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-) -> Path:
-    """Write a tiny random-init Qwen2-VL (model, tokenizer with the vision tokens, image processor) to `out_dir`.
-
-    Args:
-        tokenizer: the project's BPE tokenizer (`train_tokenizer`); the vision tokens are added to it.
-        size: a `PRESETS` name.
-    """
+def _qwen2_vl(tokenizer: PreTrainedTokenizerBase, p: dict[str, int], max_position_embeddings: int):
+    """(config, model class, image processor) of a tiny Qwen2-VL."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    p = PRESETS[size]
     ids = add_vision_tokens(tokenizer)
     head = p["hidden_size"] // p["num_heads"]
     # M-RoPE splits the rotary half of a head into (time, height, width) sections, in Qwen2-VL's proportions
     t = head // 8
     hw = (head // 2 - t) // 2
-    text = {
-        **_text_config(tokenizer, p, max_position_embeddings),
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [t, hw, head // 2 - t - hw],
-        },
-    }
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [t, hw, head // 2 - t - hw]}
+    text = {**_text_config(tokenizer, p, max_position_embeddings), "rope_parameters": rope}
     vision = dict(
         depth=p["vision_depth"],
         embed_dim=p["vision_dim"],
@@ -160,6 +121,40 @@ def build_tiny_vlm_checkpoint(
         bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=True,
     )
+    return (
+        config,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+    )
+
+
+ARCHS = {"qwen2_vl": _qwen2_vl, "llava": _llava}
+
+
+def build_tiny_vlm_checkpoint(
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    arch: str = "qwen2_vl",
+    size: str = "tiny",
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random-init VLM (model, tokenizer with the vision tokens, image processor) to `out_dir`.
+
+    Args:
+        tokenizer: the project's BPE tokenizer (`train_tokenizer`); the vision tokens are added to it.
+        arch: an `ARCHS` name.
+        size: a `PRESETS` name.
+    """
+    config, model_class, processor = ARCHS[arch](tokenizer, PRESETS[size], max_position_embeddings)
     torch.manual_seed(seed)
-    processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    return _save(Qwen2VLForConditionalGeneration(config), tokenizer, processor, out_dir)
+    model = model_class(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    processor.save_pretrained(str(out))
+    return out
