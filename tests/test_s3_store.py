@@ -5,15 +5,10 @@ in the store and drops this machine's copies.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
-def test_stages_publish_to_and_read_through_an_s3_store(s3, tmp_path, monkeypatch):
+def test_stages_publish_to_and_read_through_an_s3_store(s3, tmp_path, monkeypatch, capsys):
     from posttrain_core.artifacts import ArtifactStore
     from posttrain_core.config import DataConfig, ModelConfig
     from posttrain_core.data.prepare import run_prepare_data
@@ -22,21 +17,20 @@ def test_stages_publish_to_and_read_through_an_s3_store(s3, tmp_path, monkeypatc
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # this machine's cache and staging start empty
     root = f"s3://{s3['bucket']}/{uuid.uuid4().hex}"
     store = ArtifactStore(root)
-    data = run_prepare_data(DataConfig(n_train=60, n_eval=8), store)
+    data = run_prepare_data(DataConfig(n_train=60, n_eval=8, n_rl_prompts=16), store)
     base = run_build_model(ModelConfig(size="tiny"), data.text, store)  # its tokenizer trains on the downloaded text
     assert base.uri.startswith(root + "/artifacts/") and (store.cache_root / data.text.key / "manifest.json").exists()
     assert store.manifest(base)["inputs"][0]["key"] == data.text.key  # lineage through the S3 store
     assert (store.local_path(base) / "config.json").exists()
 
     again = ArtifactStore(root, workdir=tmp_path / "another-machine")  # nothing cached there
-    assert run_prepare_data(DataConfig(n_train=60, n_eval=8), again) == data
+    assert run_prepare_data(DataConfig(n_train=60, n_eval=8, n_rl_prompts=16), again) == data
     assert run_build_model(ModelConfig(size="tiny"), data.text, again) == base  # cache hits: no download needed
     assert not (again.cache_root / data.text.key).exists()
 
-    # gc keeps the newest of each stage: here everything; the CLI reports on this machine's cache too.
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "artifacts", "gc", "--keep-last", "1", "--store", root],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "local cache" in done.stdout and "removed 0 copies of deleted artifacts" in done.stdout, done.stdout
+    # gc keeps the newest of each stage (here everything) and reports on this machine's cache too.
+    from posttrain_core.cli import cmd_gc
+
+    cmd_gc(store, keep_last=1, stage=None, dry_run=False)
+    out = capsys.readouterr().out
+    assert "deleted 0 artifacts" in out and "removed 0 copies of deleted artifacts" in out, out
