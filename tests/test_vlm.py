@@ -152,3 +152,79 @@ def test_lora_adapts_the_language_model_and_the_tower_stays_frozen(vlm):
     adapted = apply_lora(load_causal_lm(vlm), LoraConfig(r=4, alpha=8))
     trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trained and all("language_model" in n and "lora_" in n for n in trained), trained[:4]
+
+
+TOOL = '''
+def lookup(key: str) -> str:
+    """The code of a key.
+
+    Args:
+        key: the key
+    """
+    return {"red": "41", "blue": "77"}[key]
+'''
+COLOURS = {"red": (220, 40, 40), "blue": (40, 80, 220)}
+
+
+def _tool_chat(colour: str) -> list[dict]:
+    code = {"red": "41", "blue": "77"}[colour]
+    return [
+        {"role": "user", "content": "<image>\nWhat is the code of this colour?"},
+        {"role": "assistant", "content": f"<tool_call>lookup {colour}</tool_call>"},
+        {"role": "tool", "content": code},
+        {"role": "assistant", "content": f"The answer is {code}"},
+    ]
+
+
+def test_the_tool_loop_runs_on_a_vlm_and_the_trainer_gets_the_engines_log_probs(vlm, tmp_path):
+    """A tiny VLM overfitted (in this process) on two tool-using chats whose tool argument is the picture's colour:
+    the engine's trajectories read the picture, call the user's tool, answer; every turn's forward had the prompt's
+    pixels, the rows keep the images, and the trainer's log-probs of the policy tokens equal the engine's."""
+    from posttrain_core.data.chat import IGNORE_INDEX
+    from posttrain_core.models.heads import TokenLogprobs
+    from posttrain_core.models.loading import load_causal_lm, load_tokenizer, save_checkpoint
+    from posttrain_core.rollout.hf_engine import HFEngine
+    from posttrain_core.rollout.multiturn import ToolSettings
+    from posttrain_core.train.rl_batch import encode
+    from posttrain_core.vision.inputs import VisionSpec, batch_inputs
+
+    (tmp_path / "my_tools.py").write_text(TOOL)
+    spec, tokenizer = VisionSpec.of(vlm), load_tokenizer(vlm)
+    model = load_causal_lm(vlm).train()
+    chats = [(_tool_chat(c), [png(rgb)]) for c, rgb in COLOURS.items()]
+    encoded = [spec.chat(tokenizer, m, im, 512, f"chat {i}") for i, (m, im) in enumerate(chats)]
+    width = max(len(ids) for ids, _, _ in encoded)
+    ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _, _ in encoded])
+    labels = torch.tensor([y + [IGNORE_INDEX] * (width - len(y)) for _, y, _ in encoded])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _, _ in encoded])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(200):
+        kw = batch_inputs(model, spec, ids, mask, [px for _, _, px in encoded], "train")
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.05, loss.item()
+    trained = tmp_path / "trained"
+    save_checkpoint(model.eval(), tokenizer, trained)
+
+    prompts = pa.table({"prompt_id": list(COLOURS), "messages": [m[:1] for m, _ in chats],
+                        "answer": ["41", "77"], "images": [im for _, im in chats]})  # fmt: skip
+    tools = ToolSettings(tools=(f"{tmp_path / 'my_tools.py'}:lookup",), parser="compact", max_turns=3,
+                         max_total_tokens=160)  # fmt: skip
+    rows = HFEngine(str(trained)).generate(prompts, SamplingSettings(n=2, max_tokens=48, tools=tools)).to_pylist()
+    for r in rows:
+        assert r["num_tool_calls"] == 1 and r["tool_errors"] == 0, r["turns"]
+        assert r["response_text"] == f"The answer is {r['answer']}", r["turns"]  # it read the colour
+        assert r["images"] == chats[list(COLOURS).index(r["prompt_id"])][1]  # kept for the trainer
+    batch = {k: [r[k] for r in rows] for k in ("prompt_ids", "response_ids", "response_mask")}
+    ids, attn, pos, labels, _ = encode(type("Rows", (), batch), list(range(len(rows))), tokenizer.pad_token_id)
+    pixels = [spec.pixels(r["images"]) for r in rows]
+    with torch.no_grad():
+        kw = batch_inputs(model, spec, ids, attn, pixels, "test")
+        trainer = TokenLogprobs(model)(ids, attn, pos, labels, vision=kw).logp
+    for b, r in enumerate(rows):
+        policy = [i for i, m in enumerate(r["response_mask"]) if m]
+        ours = trainer[b, policy]
+        assert torch.allclose(ours, torch.tensor([r["logprobs"][i] for i in policy]), atol=1e-5), r["prompt_id"]

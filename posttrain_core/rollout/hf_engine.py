@@ -230,13 +230,9 @@ class HFEngine:
         if params.tools is not None:
             from posttrain_core.rollout.multiturn import generate_rows
 
-            if self.vision is not None:
-                raise ValueError(
-                    f"HFEngine: tool calls with a vision-language model ({self.model_type}) are not supported"
-                )
-
             sample = functools.partial(self._sample, params=params)
-            return self._table(generate_rows(sample, self.tokenizer, prompts, params, self.policy_digest), started)
+            rows = generate_rows(sample, self.tokenizer, prompts, params, self.policy_digest, self.vision)
+            return self._table(rows, started)
         samples = [_Sample(row, k, encoded[row]) for row in range(len(encoded)) for k in range(params.n)]
         seeds = [sample_seed(params.seed, prompt_ids[s.row], s.sample_index) for s in samples]
         if self.vision is not None:

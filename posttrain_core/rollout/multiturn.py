@@ -24,9 +24,9 @@ from posttrain_core.rollout.tools import PARSERS, ToolBox, ToolCall, ToolResult
 
 Caller = ToolBox | Environments  # what runs the calls: stateless tools, or one environment instance per trajectory
 
-# sample(contexts, seeds) -> per context {"response_ids", "logprobs", "finish_reason"}: one assistant turn each, at
-# most the sampling settings' max_tokens (an engine's `_sample` with its settings bound)
-TokenGenerate = Callable[[list[list[int]], list[int]], list[dict]]
+# sample(contexts, seeds[, vision=]) -> per context {"response_ids", "logprobs", "finish_reason"}: one assistant turn
+# each, at most the sampling settings' max_tokens (an engine's `_sample` with its settings bound)
+TokenGenerate = Callable[..., list[dict]]
 
 _PREFIX = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
 
@@ -50,6 +50,7 @@ class Trajectory:
     prompt_id: str
     sample_index: int
     prompt_ids: list[int]
+    row: int = 0  # its prompt's row in the prompts table
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
@@ -109,7 +110,7 @@ class TemplateDelta:
 
 
 def run(
-    generate: TokenGenerate,
+    generate: Callable[[list[list[int]], list[int], list[int]], list[dict]],
     delta: TemplateDelta,
     trajectories: list[Trajectory],
     seeds: Callable[[Trajectory, int], int],
@@ -120,7 +121,7 @@ def run(
     "length" (the token budget) or "max_turns" (still calling tools after the last turn).
 
     Args:
-        generate: the engine's token-level sampler.
+        generate: the engine's token-level sampler, given the contexts, their seeds and their prompts' rows.
         delta: the chat template's tool turns, for the tokenizer the engine samples with.
         seeds: the seed of a trajectory's turn (each turn its own stream: same seed, same trajectories).
         caller: runs the calls of a turn (its owners are the trajectories' `key`s).
@@ -132,7 +133,7 @@ def run(
         if not active:
             break
         contexts = [t.prompt_ids + t.response_ids for t in active]
-        outs = generate(contexts, [seeds(t, turn) for t in active])
+        outs = generate(contexts, [seeds(t, turn) for t in active], [t.row for t in active])
         calling: list[tuple[Trajectory, list[ToolCall]]] = []
         for t, out in zip(active, outs, strict=True):
             calls = _append_assistant_turn(t, out, tokenizer, parse, settings)
@@ -218,30 +219,48 @@ def row(t: Trajectory) -> dict:
     }
 
 
-def generate_rows(generate: TokenGenerate, tokenizer: Any, prompts: Any, params: Any, policy_digest: str) -> list[dict]:
+def generate_rows(
+    sample: TokenGenerate, tokenizer: Any, prompts: Any, params: Any, policy_digest: str, vision: Any = None
+) -> list[dict]:
     """`params.n` trajectories of every prompt row (a `prompts` table) as `rollouts` rows, for an engine whose
-    token-level sampler is `generate`. Turn 0 of a sample draws the stream a single-turn sample would; turn k > 0
-    its own, so the same seed gives the same trajectories. With an environment, each trajectory's instance is reset
-    first (its observation joins the prompt as a user message), its final `reward()` becomes a last `turns` segment
-    {"role": "environment", "reward": r}, and every instance is closed at the end."""
-    from posttrain_core.rollout.hf_engine import sample_seed
+    token-level sampler is `sample` (contexts, seeds). Turn 0 of a sample draws the stream a single-turn sample would;
+    turn k > 0 its own, so the same seed gives the same trajectories. With an environment, each trajectory's instance
+    is reset first (its observation joins the prompt as a user message), its final `reward()` becomes a last `turns`
+    segment {"role": "environment", "reward": r}, and every instance is closed at the end.
+
+    With `vision` (a VLM's `VisionSpec`), a prompt's images are expanded into its ids as for one turn, every turn's
+    forward gets its prompt's pixels (`sample(contexts, seeds, vision=Vision)`), and the rows keep the images for
+    training."""
+    from posttrain_core.rollout.hf_engine import Vision, sample_seed
 
     settings: ToolSettings = params.tools
     caller: Caller = Environments(settings.environment) if settings.environment else ToolBox(settings.tools)
     try:
         delta = TemplateDelta(tokenizer, caller.schemas)
         rows = prompts.to_pylist()
-        trajectories = [Trajectory(r["prompt_id"], k, []) for r in rows for k in range(params.n)]
-        encoded: dict[str, list[int]] = {}
+        trajectories = [Trajectory(r["prompt_id"], k, [], i) for i, r in enumerate(rows) for k in range(params.n)]
+        encoded: dict[Any, list[int]] = {}
+        built: dict[int, Any] = {}  # row -> its prompt's pixels (`vision.inputs.Prompt`)
         for t, r in zip(trajectories, (r for r in rows for _ in range(params.n)), strict=True):
             messages = list(r["messages"])
             if isinstance(caller, Environments):
                 first = caller.reset(t.key, _env_row(r), settings.tool_timeout_s)
                 messages += [{"role": "user", "content": first}] if first is not None else []
-            text = json.dumps(messages)
+            text = json.dumps(messages) if vision is None else (json.dumps(messages), t.row)  # a row's own images
             if text not in encoded:
-                encoded[text] = delta.prompt_ids(messages)
+                if vision is None:
+                    encoded[text] = delta.prompt_ids(messages)
+                else:
+                    where = f"prompt {r['prompt_id']!r}"
+                    built[t.row] = vision.prompt(tokenizer, messages, r.get("images"), where, delta.prompt_ids)
+                    encoded[text] = built[t.row].ids
             t.prompt_ids = encoded[text]
+
+        def generate(contexts: list[list[int]], seeds: list[int], of: list[int]) -> list[dict]:
+            if vision is None:
+                return sample(contexts, seeds)
+            pixels = [built[i].pixel_values for i in of]
+            return sample(contexts, seeds, vision=Vision(vision, pixels, [built[i].grid_thw for i in of], list(of)))
 
         def seed(t: Trajectory, turn: int) -> int:
             return sample_seed(
@@ -256,10 +275,10 @@ def generate_rows(generate: TokenGenerate, tokenizer: Any, prompts: Any, params:
                     t.turns.append({"role": "environment", "reward": final})
     finally:
         caller.close()
-    answer_of = {r["prompt_id"]: r.get("answer") for r in rows}
     return [
         {"prompt_id": t.prompt_id, "sample_index": t.sample_index, "prompt_ids": t.prompt_ids,
-         "answer": answer_of[t.prompt_id], "policy_digest": policy_digest, **row(t)}
+         "answer": rows[t.row].get("answer"), "policy_digest": policy_digest,
+         "images": (rows[t.row].get("images") or None) if vision is not None else None, **row(t)}
         for t in trajectories
     ]  # fmt: skip
 

@@ -132,12 +132,14 @@ class VisionSpec:
         placeholder = "".join(tokenizer.convert_ids_to_tokens(around))
         return [{**m, "content": str(m["content"]).replace(IMAGE_MARKER, placeholder)} for m in messages]
 
-    def prompt(self, tokenizer, messages: list[dict], images: list[bytes] | None, where: str) -> Prompt:
-        """The expanded prompt ids (chat template, generation prompt) and pixels of one row's messages."""
+    def prompt(self, tokenizer, messages: list[dict], images: list[bytes] | None, where: str, encode=None) -> Prompt:
+        """The expanded prompt ids (chat template, generation prompt) and pixels of one row's messages; `encode`
+        renders and tokenizes the messages (default `data.chat.tokenize_prompt`; the tool loop's adds its tools)."""
         from posttrain_core.data.chat import tokenize_prompt
 
         images = images or []
-        ids = tokenize_prompt(tokenizer, self._render(tokenizer, messages, images, where))
+        rendered = self._render(tokenizer, messages, images, where)
+        ids = encode(rendered) if encode is not None else tokenize_prompt(tokenizer, rendered)
         if not images:
             return Prompt(ids, None, None)
         pixel_values, grid = self.pixels(images)
