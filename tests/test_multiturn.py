@@ -71,7 +71,7 @@ class Scripted:
     def __init__(self, tokenizer, replies: dict[str, list[str]], eos: bool = True, max_tokens: int = 32):
         self.tok, self.replies, self.eos, self.max_tokens, self.fed = tokenizer, replies, eos, max_tokens, []
 
-    def __call__(self, contexts, seeds):
+    def __call__(self, contexts, seeds, rows=None):  # `run` passes the prompts' rows, `generate_rows` does not
         max_tokens = self.max_tokens
         outs = []
         for ctx, seed in zip(contexts, seeds, strict=True):

@@ -62,7 +62,7 @@ def _vlm_config(store: Path):
             # 20 SFT steps answer no question right yet: "says 'e'" is a reward with variance within groups.
             score=ScoreConfig(verifiers={"regex": 1.0, "exact_match": 0.0}, regex="e"),
             eval=EvalConfig(max_new_tokens=6, num_engines=1),
-            eval_samples=2,
+            eval_samples=0,  # sampled evaluation: test_rollout's
         )
     )
 
@@ -104,9 +104,7 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     assert {name for name, _ in ended} <= {"rlhf", "score", "rl_update"}, ended
     assert c.get_run(result["mlflow_run_id"]).info.status == "FINISHED"
     assert stage_count(store, "rl_update") == 2 and stage_count(store, "rollout") == 2
-    assert stage_count(store, "evaluate") == 4  # greedy and sampled, before and after
-    before = result["eval"][0]
-    assert 0 <= before["sampled_pass@1"] <= before["sampled_pass@2"] <= 1 and "accuracy" in before
+    assert stage_count(store, "evaluate") == 2 and "accuracy" in result["eval"][0]  # before and after
 
     # 3. The same final policy as an uninterrupted run with the same seeds, in a fresh store. In both, iteration 2's
     # rollout was generated with update 1's weights in memory before they were published.

@@ -36,7 +36,9 @@ def cache_bound_bytes() -> int:
     Raises:
         ValueError: the variable is not a positive number (names it).
     """
-    raw = os.environ.get("POSTTRAIN_CACHE_GB", "").strip()
+    from posttrain_core.env import setting
+
+    raw = (setting("POSTTRAIN_CACHE_GB") or "").strip()
     if not raw:
         return int(DEFAULT_CACHE_GB * 2**30)
     try:
