@@ -56,12 +56,13 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """An S3 API on 127.0.0.1 (`s3_server`) with a bucket, for a test module; its environment is set meanwhile."""
+@pytest.fixture(scope="session")
+def s3(session_dir):
+    """An S3 API on 127.0.0.1 (`s3_server`) with a bucket, for the session (s3fs keeps one client per process, with
+    the endpoint it was made with); its environment is set for the session."""
     from s3_server import s3_server
 
-    with s3_server(tmp_path_factory.mktemp("s3") / "s3.log") as env:
+    with s3_server(session_dir / "s3.log") as env:
         yield env
 
 
