@@ -10,6 +10,7 @@ one used in the last `min_idle_s` seconds is kept whatever the bound: a stage on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -58,8 +59,9 @@ def touch(copy: Path) -> None:
         pass
 
 
-def _size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+def _size(manifest: Path) -> int:
+    """A copy's bytes, as its manifest lists them (no walk over its files)."""
+    return sum(int(f.get("size", 0)) for f in json.loads(manifest.read_text()).get("files", []))
 
 
 @dataclass
@@ -107,7 +109,7 @@ def trim(
             shutil.rmtree(entry, ignore_errors=True)
             report.deleted_in_store.append(entry.name)
             continue
-        copies.append((manifest.stat().st_mtime, _size(entry), entry))
+        copies.append((manifest.stat().st_mtime, _size(manifest), entry))
     total = sum(size for _, size, _ in copies)
     for used, size, folder in sorted(copies, key=lambda c: c[0]):  # least recently used first
         if total <= bound:
