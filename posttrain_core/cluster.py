@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -114,11 +115,11 @@ class RankActor:
         keep_freed_memory()
         self.role = role(rank, world_size)
 
-    def rendezvous(self) -> tuple[str, int]:
-        """(ip, free port) of this rank's node: rank 0's is the group's rendezvous."""
+    def rendezvous(self) -> tuple[str, int, str]:
+        """(ip, free port, node id) of this rank's node: rank 0's address is the group's rendezvous."""
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
 
     def setup(self, master_addr: str, master_port: int) -> None:
         import torch
@@ -136,6 +137,13 @@ class RankActor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.role, method)(*args, **kwargs)
 
+    def posted_metrics(self) -> list:
+        """The step metrics the role posted since the last call (`tracking.MetricsMailbox`); runs in the actor's
+        `relay` concurrency group, beside a `call` in progress."""
+        from posttrain_core.tracking.relay import take_posted
+
+        return take_posted()
+
 
 class WorkerGroup:
     """N `RankActor`s forming one torch.distributed group; the driver calls coarse methods of their roles.
@@ -149,14 +157,48 @@ class WorkerGroup:
 
     @classmethod
     def start(cls, role: type, num_workers: int, num_cpus: float = 1.0) -> WorkerGroup:
+        """Place `num_workers` ranks, dealt over the cluster's nodes (`spread`), and form their process group."""
         import ray
+        from ray.exceptions import RayActorError
 
         connect()
-        remote = ray.remote(num_cpus=num_cpus)(RankActor)
-        group = cls([remote.remote(role, r, num_workers) for r in range(num_workers)])
-        addr, port = ray.get(group.actors[0].rendezvous.remote())
+        remote = ray.remote(num_cpus=num_cpus, concurrency_groups={"relay": 1})(RankActor)
+        for attempt in range(3):
+            strategies = spread(num_workers, num_cpus)
+            group = cls([remote.options(scheduling_strategy=s).remote(role, r, num_workers)
+                         for r, s in enumerate(strategies)])  # fmt: skip
+            places, lost = [], {}
+            for strategy, ref in zip(strategies, [a.rendezvous.remote() for a in group.actors], strict=True):
+                try:
+                    places.append(ray.get(ref))
+                except RayActorError as err:
+                    lost[strategy.node_id] = err
+            if not lost:
+                break
+            # A node that just died stays listed as alive until Ray's health checks give up on it (seconds): place
+            # the group again, around the nodes where a rank could not start.
+            group.shutdown()
+            if attempt == 2:
+                raise next(iter(lost.values()))
+            log.warning("%s: ranks could not start on node(s) %s; placing them again", role.__name__,
+                        sorted(n[:12] for n in lost))  # fmt: skip
+            _LOST.update(dict.fromkeys(lost, time.monotonic()))
+        for actor, (ip, _, node) in zip(group.actors, places, strict=True):
+            _NODES[actor._actor_id.hex()] = (node, ip)
+        if len({node for _, _, node in places}) > 1:
+            log.info(
+                "%s: %d ranks on nodes %s", role.__name__, num_workers, [f"{n[:12]} ({ip})" for ip, _, n in places]
+            )
+        addr, port, _ = places[0]
         group._wait([a.setup.remote(addr, port) for a in group.actors])
         return group
+
+    def metrics_source(self) -> Callable[[], list]:
+        """A function returning what rank 0's role posted since the last call (`tracking.MetricsRelay.source`)."""
+        import ray
+
+        rank0 = self.actors[0]
+        return lambda: ray.get(rank0.posted_metrics.options(concurrency_group="relay").remote(), timeout=30)
 
     def run(
         self, method: str, *args: Any, poll: Callable[[], Any] | None = None, poll_s: float = 2.0, **kwargs: Any
@@ -168,6 +210,10 @@ class WorkerGroup:
         `poll_s` seconds while the ranks work, and once more when they are done or have failed.
         """
         return self._wait([a.call.remote(method, *args, **kwargs) for a in self.actors], poll, poll_s)
+
+    def run_each(self, method: str, args: Sequence[tuple]) -> list[Any]:
+        """Call the role's `method` with `args[i]` on rank i (the first len(args) ranks), failing as `run` does."""
+        return self._wait([a.call.remote(method, *a_args) for a, a_args in zip(self.actors, args, strict=False)])
 
     def _wait(self, refs: list[Any], poll: Callable[[], Any] | None = None, poll_s: float = 2.0) -> list[Any]:
         import ray
@@ -184,6 +230,8 @@ class WorkerGroup:
                 except Exception as err:
                     died = _peer_death(pending, err)
                     self.shutdown()
+                    lost = died if died is not None else err
+                    _name_lost_node(lost)
                     if died is not None:
                         raise died from err
                     raise
@@ -217,6 +265,56 @@ def _peer_death(pending: list, err: Exception, wait_s: float = 3.0) -> Exception
         except Exception:  # noqa: BLE001 - another rank's own error: the first one is raised
             continue
     return None
+
+
+_NODES: dict[str, tuple[str, str]] = {}  # actor id -> (node id, ip) of the ranks this process placed
+# node id -> when an actor of this process was lost there. A node that dies stays listed as alive until Ray's health
+# checks give up on it (~15-30 s): for `LOST_S` seconds nothing is placed there.
+_LOST: dict[str, float] = {}
+LOST_S = 60.0
+
+
+def spread(count: int, num_cpus: float = 0.0) -> list[Any]:
+    """Scheduling strategies for `count` actors dealt round-robin over the live nodes with `num_cpus` CPUs, this
+    process's node first (rank 0, the rendezvous, lands beside the driver; on one machine everything stays there),
+    none on a node where one was lost in the last `LOST_S` seconds.
+    The affinity is strict (Ray's soft affinity picks another node whenever the chosen one is busy for a moment, which
+    in practice often stacks a group on one node); the nodes are those alive now. Placement never changes what is
+    computed: only where."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [
+        n["NodeID"] for n in ray.nodes()
+        if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= num_cpus
+        and time.monotonic() - _LOST.get(n["NodeID"], -LOST_S) >= LOST_S
+    ]  # fmt: skip
+    nodes = sorted(nodes, key=lambda n: n != here) or [here]
+    return [NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=False) for i in range(count)]
+
+
+def _name_lost_node(err: Exception) -> None:
+    """Add to a lost rank's error which node it ran on and whether Ray has declared that node dead, and place
+    nothing there for a while (`spread`)."""
+    import ray
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if not isinstance(err, RayActorError | ActorUnavailableError):
+        return
+    actor_id = getattr(err, "actor_id", None)
+    actor_id = actor_id.hex() if isinstance(actor_id, bytes) else actor_id
+    if actor_id not in _NODES:
+        return
+    node, ip = _NODES[actor_id]
+    _LOST[node] = time.monotonic()
+    try:
+        dead = not any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
+    except Exception:  # noqa: BLE001 - naming the node is best effort
+        dead = False
+    note = f"the lost rank ran on node {node[:12]} ({ip}){', which Ray has marked dead' if dead else ''}"
+    err.add_note(note)
+    log.error("%s: %s", type(err).__name__, note)
 
 
 def _kill(actors: Sequence[Any]) -> None:

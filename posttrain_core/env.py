@@ -20,6 +20,8 @@ SETTINGS: dict[str, str] = {
     "RAY_ADDRESS": "the Ray cluster to join (default: start one on this machine)",
     "POSTTRAIN_SERVE_KEYS": "`posttrain serve`'s API keys when no keys file is given: 'tml-a=alice,tml-b=bob' (default: "
     "any tml- key is its own tenant)",
+    "POSTTRAIN_CACHE_DIR": "this machine's folder for a remote store's downloaded artifacts and staging, on the flow's "
+    "machine and on every Ray node (default ~/.cache/posttrain)",
     "POSTTRAIN_CACHE_GB": "the bound of this machine's cache of a remote store's artifacts, in GiB (default 100)",
 }
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 import pyarrow as pa
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.artifacts.node import node_path
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import EvalConfig, ScoreConfig
 from posttrain_core.plugins import is_reference
@@ -73,7 +74,7 @@ def run_evaluate(
         spec = EngineSpec(cfg.engine, "float32", cfg.num_engines)
         with WarmGroup.use(warm, STAGE) as group:
             rows, _, _ = generate(
-                EnginePool(group, spec), table, model, str(store.local_path(model)), params, cfg.batch_size, STAGE
+                EnginePool(group, spec), table, model, node_path(store, model), params, cfg.batch_size, STAGE
             )
         scored = score_rollouts(rows, score_cfg)
         if scored.column("correct").null_count == scored.num_rows:

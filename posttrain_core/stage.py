@@ -46,10 +46,12 @@ class StageContext:
 
 @dataclass
 class StageOutput:
-    """What a build function returns: manifest fields (per-kind extras) and the stage's summary metrics."""
+    """What a build function returns: manifest fields (per-kind extras) and the stage's summary metrics, and for a
+    remote store the content when a Ray worker uploaded it (`artifacts.node.Outbox`) instead of writing `outdir`."""
 
     manifest: dict[str, Any]
     metrics: dict[str, float]
+    uploaded: Any = None
 
 
 def key_for(stage: str, cfg: BaseModel, inputs: Mapping[str, ArtifactRef]) -> str:
@@ -211,7 +213,7 @@ def _build(stage, cfg, inputs, store, kind, build, schema_kind, key) -> Artifact
             **_ray_cluster(),
             **out.manifest,
         }
-        ref = store.publish(key, kind, ctx.outdir, manifest, schema_kind=schema_kind)
+        ref = store.publish(key, kind, out.uploaded or ctx.outdir, manifest, schema_kind=schema_kind)
         tracker.log_dict(store.manifest(ref), "manifest.json")
         tracker.log_batch({f"final/{k}": v for k, v in out.metrics.items()}, tags={"posttrain.artifact_uri": ref.uri})
     store.clear_staging(key)

@@ -16,6 +16,8 @@ if os.environ.get("POSTTRAIN_KEEP_TEST_DIR") != "1":  # =1 keeps the session's s
 os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_DIR}/mlflow.db")
 os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(_SESSION_DIR / "prefect-results"))
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_DIR / "prefect-home"))
+# The cache and staging of remote stores, here and in the local Ray's workers (they inherit this environment).
+os.environ.setdefault("POSTTRAIN_CACHE_DIR", str(_SESSION_DIR / "node-cache"))
 
 from posttrain_core.env import apply_defaults  # noqa: E402
 
@@ -68,11 +70,11 @@ def s3(session_dir):
 
 @pytest.fixture(params=["memory", "s3"])
 def remote_root(request, tmp_path, monkeypatch) -> str:
-    """A fresh root on each remote filesystem the store is tested on: fsspec's in-memory one, and an S3 server. HOME
-    points into tmp_path, so the store's local cache and staging start empty."""
+    """A fresh root on each remote filesystem the store is tested on: fsspec's in-memory one, and an S3 server. The
+    store's local cache and staging ($POSTTRAIN_CACHE_DIR) are in tmp_path, so they start empty."""
     import uuid
 
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "node-cache"))
     name = f"posttrain-test-{uuid.uuid4().hex}"
     if request.param == "memory":
         return f"memory://{name}"

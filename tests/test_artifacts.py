@@ -419,7 +419,7 @@ def test_default_root(tmp_path: Path, monkeypatch) -> None:
 
 def test_remote_fsspec_store(remote_root: str, tmp_path: Path) -> None:
     store = ArtifactStore(remote_root)
-    assert not store.is_local and store.staging_root.is_relative_to(tmp_path / "home" / ".cache" / "posttrain")
+    assert not store.is_local and store.staging_root.is_relative_to(tmp_path / "node-cache")
     files = {"model.safetensors": b"w" * 1000, "tok/vocab.json": b"{}"}
     assert store.get(KEY) is None
     ref = _publish(store, KEY, files)

@@ -14,7 +14,7 @@ def test_stages_publish_to_and_read_through_an_s3_store(s3, tmp_path, monkeypatc
     from posttrain_core.data.prepare import run_prepare_data
     from posttrain_core.models.build import run_build_model
 
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # this machine's cache and staging start empty
+    monkeypatch.setenv("POSTTRAIN_CACHE_DIR", str(tmp_path / "node-cache"))  # this machine's cache starts empty
     root = f"s3://{s3['bucket']}/{uuid.uuid4().hex}"
     store = ArtifactStore(root)
     data = run_prepare_data(DataConfig(n_train=60, n_eval=8, n_rl_prompts=16), store)

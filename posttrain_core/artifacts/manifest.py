@@ -26,18 +26,30 @@ logger = logging.getLogger(__name__)
 STORE_FIELDS = frozenset({"kind", "key", "schema_kind", "digest", "files", "created", "posttrain_version"})
 
 
+def describe(folder: Path) -> tuple[list[dict[str, Any]], str]:
+    """The manifest's `files` (relative path and size of each content file) and `digest` of a local folder."""
+    files = [{"path": rel, "size": path.stat().st_size} for rel, path in content_files(folder)]
+    return files, content_digest(folder)
+
+
 def manifest_bytes(key: str, kind: str, schema_kind: str | None, folder: Path, extra: Mapping) -> bytes:
-    """The manifest.json of the content in `folder` (digested here) with the stage's `extra` fields.
+    """The manifest.json of the content in `folder` (digested here) with the stage's `extra` fields."""
+    return manifest_of(key, kind, schema_kind, *describe(folder), extra)
+
+
+def manifest_of(
+    key: str, kind: str, schema_kind: str | None, files: list[dict[str, Any]], digest: str, extra: Mapping
+) -> bytes:
+    """The manifest.json of content described by `files` and `digest` (`describe`) with the stage's `extra` fields.
 
     Raises:
         ValueError: an `extra` field has no JSON form.
     """
-    files = [{"path": rel, "size": path.stat().st_size} for rel, path in content_files(folder)]
     manifest = {
         "kind": kind,
         "key": key,
         "schema_kind": schema_kind,
-        "digest": content_digest(folder),
+        "digest": digest,
         "files": files,
         "created": datetime.now(UTC).isoformat(),
         "posttrain_version": code_version(),

@@ -14,15 +14,16 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 
 from posttrain_core.artifacts import fsio
 from posttrain_core.artifacts.digest import content_digest
-from posttrain_core.artifacts.manifest import manifest_bytes, read_manifest
+from posttrain_core.artifacts.manifest import describe, manifest_of, read_manifest
 from posttrain_core.artifacts.ref import (
     MANIFEST,
     TMP_PREFIX,
@@ -38,51 +39,89 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Uploaded:
+    """Content uploaded into a store's temp folder for `key` (`upload`), not yet an artifact: `commit` publishes it.
+
+    Picklable: a Ray worker on any node uploads its stage's output and returns this; the stage's driver commits it.
+    """
+
+    key: str
+    tmp: str  # the temp folder, a path on the store's filesystem
+    files: list[dict[str, Any]]  # the manifest's `files`
+    digest: str
+
+
 def publish(
     store: ArtifactStore, key: str, kind: str, src: Path, extra: Mapping, schema_kind: str | None
 ) -> ArtifactRef:
-    """Upload `src` into a temp folder beside the target (manifest last), then move it file by file, manifest last."""
+    """Upload `src` into a temp folder beside the target, then commit it (manifest last); `src` is removed."""
+    ref = commit(store, kind, upload(store, key, src), extra, schema_kind)
+    shutil.rmtree(src, ignore_errors=True)
+    return ref
+
+
+def upload(store: ArtifactStore, key: str, src: Path) -> Uploaded:
+    """Digest `src` and copy its content into a new temp folder beside the target of `key` (`sweep` removes it if
+    nothing commits it)."""
     fs = store.fs
-    target = store._target(key)
-    tmp = f"{posixpath.dirname(target)}/{TMP_PREFIX}{key}-{uuid.uuid4().hex}"
-    files = [rel for rel, _ in fsio.content_files(src)]
+    tmp = f"{posixpath.dirname(store._target(key))}/{TMP_PREFIX}{key}-{uuid.uuid4().hex}"
+    files, digest = describe(src)
     try:
-        for folder in sorted({posixpath.dirname(f"{tmp}/{rel}") for rel in files} | {tmp}):
+        for folder in sorted({posixpath.dirname(f"{tmp}/{f['path']}") for f in files} | {tmp}):
             fs.makedirs(folder, exist_ok=True)
-        for rel in files:
-            fs.put_file(str(src / rel), f"{tmp}/{rel}")
-        fs.pipe_file(f"{tmp}/{MANIFEST}", manifest_bytes(key, kind, schema_kind, src, extra))
+        for f in files:
+            fs.put_file(str(src / f["path"]), f"{tmp}/{f['path']}")
+    except BaseException:
+        discard(fs, tmp)
+        raise
+    return Uploaded(key, tmp, files, digest)
+
+
+def commit(
+    store: ArtifactStore, kind: str, up: Uploaded, extra: Mapping, schema_kind: str | None
+) -> ArtifactRef:
+    """Publish uploaded content: its manifest into the temp folder, then the files moved onto the target one by one,
+    the manifest last (object stores have no atomic rename; `get()` requires the manifest, so it never sees a
+    partial artifact). When another publisher got there first, the temp folder goes and theirs is returned."""
+    fs, key, tmp = store.fs, up.key, up.tmp
+    target = store._target(key)
+    try:
+        fs.pipe_file(f"{tmp}/{MANIFEST}", manifest_of(key, kind, schema_kind, up.files, up.digest, extra))
         existing = store.get(key)
         if existing is not None:
             fs.rm(tmp, recursive=True)
             logger.info("artifact %s was published concurrently; discarded our copy", key)
-            shutil.rmtree(src, ignore_errors=True)
             return existing
         if fs.exists(target):
             raise FileExistsError(incomplete_message(key, store._uri(target)))
-        # Object stores have no atomic rename: move the content first and the manifest last, so that get()
-        # (which requires the manifest) never sees a partial artifact.
-        for rel in [*files, MANIFEST]:
+        for rel in [*(f["path"] for f in up.files), MANIFEST]:
             dst = f"{target}/{rel}"
             fs.makedirs(posixpath.dirname(dst), exist_ok=True)
             fs.mv(f"{tmp}/{rel}", dst)
     except BaseException:
-        try:
-            fs.rm(tmp, recursive=True)
-        except Exception:
-            logger.warning("could not remove %s after a failed publish; sweep() will", tmp, exc_info=True)
+        discard(fs, tmp)
         raise
     try:
         if fs.exists(tmp):
             fs.rm(tmp, recursive=True)  # empty pseudo-folders some filesystems keep
     except FileNotFoundError:
         pass
-    shutil.rmtree(src, ignore_errors=True)
     logger.info("published %s %s at %s", kind, key, store._uri(target))
     ref = store.get(key)
     if ref is None:
         raise FileNotFoundError(f"artifact {key} vanished from {store._uri(target)} right after publishing")
     return ref
+
+
+def discard(fs: fsspec.AbstractFileSystem, tmp: str) -> None:
+    """Remove a remote folder if it exists (a failure is logged: `sweep` removes what is left)."""
+    try:
+        fs.rm(tmp, recursive=True)
+    except FileNotFoundError:
+        pass
+    except Exception:
+        logger.warning("could not remove %s after a failed publish; sweep() will", tmp, exc_info=True)
 
 
 def locate(store: ArtifactStore, uri: str) -> tuple[fsspec.AbstractFileSystem | None, str]:

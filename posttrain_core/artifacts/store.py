@@ -35,11 +35,12 @@ from posttrain_core.artifacts.ref import (
     local_path_of,
     ref_from_manifest,
 )
-from posttrain_core.env import default_store
+from posttrain_core.env import default_store, setting
 
 logger = logging.getLogger(__name__)
 
 TOMBSTONES = "tombstones"
+CHECKPOINTS = "checkpoints"
 
 
 class ArtifactStore:
@@ -54,8 +55,8 @@ class ArtifactStore:
         root: local folder or fsspec URI (`file://`, `memory://`, `s3://`...). Default: the environment variable
             `POSTTRAIN_STORE`, else `./.posttrain` (made absolute).
         workdir: local folder for staging and downloads. Default: the root itself for a local store
-            (`{root}/staging`, `{root}/cache`), `~/.cache/posttrain` for a remote one
-            (`staging/<sha of root>`, `cache`).
+            (`{root}/staging`, `{root}/cache`), for a remote one this machine's `$POSTTRAIN_CACHE_DIR`, else
+            `~/.cache/posttrain` (`staging/<sha of root>`, `cache`).
     """
 
     def __init__(self, root: str | os.PathLike | None = None, *, workdir: str | os.PathLike | None = None) -> None:
@@ -77,7 +78,7 @@ class ArtifactStore:
         elif self.is_local:
             self.staging_root, self.cache_root = Path(self._root) / "staging", Path(self._root) / "cache"
         else:
-            base = Path.home() / ".cache" / "posttrain"
+            base = Path(setting("POSTTRAIN_CACHE_DIR") or Path.home() / ".cache" / "posttrain").expanduser().resolve()
             self.staging_root, self.cache_root = base / "staging" / root_sha, base / "cache"
 
     def __repr__(self) -> str:
@@ -255,9 +256,17 @@ class ArtifactStore:
         return path
 
     def clear_staging(self, key: str) -> None:
-        """Delete the staging folder of `key` (checkpoints and unpublished outputs), if any."""
+        """Delete the staging folder of `key` (checkpoints and unpublished outputs), if any, and for a remote store
+        the in-stage checkpoints its Ray workers kept in it (`checkpoints/{key}/`, see `node.Outbox`)."""
         check_key(key)
         shutil.rmtree(self.staging_root / key, ignore_errors=True)
+        if not self.is_local:
+            remote.discard(self.fs, self.checkpoint_prefix(key))
+
+    def checkpoint_prefix(self, key: str) -> str:
+        """Where a remote store keeps the in-stage checkpoints of `key` while it is being built (a path on `fs`)."""
+        check_key(key)
+        return f"{self._root}/{CHECKPOINTS}/{key}"
 
     def new_output_dir(self, key: str) -> Path:
         """A fresh, unique local folder (`{staging}/{key}/out-<uuid>`) for a stage to write its artifact content."""
@@ -270,7 +279,7 @@ class ArtifactStore:
         self,
         key: str,
         kind: Kind,
-        src_dir: str | os.PathLike,
+        src_dir: str | os.PathLike | remote.Uploaded,
         manifest: Mapping[str, Any],
         schema_kind: str | None = None,
     ) -> ArtifactRef:
@@ -290,7 +299,8 @@ class ArtifactStore:
         Args:
             key: the stage key.
             kind: "dataset" or "model".
-            src_dir: local folder with the content (no manifest.json), e.g. from `new_output_dir(key)`.
+            src_dir: local folder with the content (no manifest.json), e.g. from `new_output_dir(key)`; or, for a
+                remote store, content a Ray worker already uploaded (`node.Outbox.ship`).
             manifest: caller fields stored in manifest.json besides the store's own (stage, config, inputs,
                 mlflow_run_id, metrics...); pydantic models and ArtifactRefs are stored as JSON.
             schema_kind: for datasets, the Arrow schema kind (see `SCHEMA_KINDS`).
@@ -306,11 +316,16 @@ class ArtifactStore:
         check_key(key)
         if kind not in KINDS:
             raise ValueError(f"publish {key}: kind must be one of {KINDS}, got {kind!r}")
-        src = Path(src_dir)
-        if not src.is_dir():
-            raise FileNotFoundError(f"publish {key}: source folder {src} does not exist or is not a folder")
-        if (src / MANIFEST).exists():
-            raise ValueError(f"publish {key}: {src / MANIFEST} exists; the store writes the manifest, not the stage")
+        uploaded = src_dir if isinstance(src_dir, remote.Uploaded) else None
+        if uploaded is not None:
+            if self.is_local or uploaded.key != key:
+                raise ValueError(f"publish {key}: content uploaded for {uploaded.key} to {uploaded.tmp} is not ours")
+        else:
+            src = Path(src_dir)
+            if not src.is_dir():
+                raise FileNotFoundError(f"publish {key}: source folder {src} does not exist or is not a folder")
+            if (src / MANIFEST).exists():
+                raise ValueError(f"publish {key}: {src / MANIFEST} exists; the store writes the manifest, not the stage")
         own = {"kind": kind, "key": key, "schema_kind": schema_kind}
         for name in sorted(STORE_FIELDS & manifest.keys()):
             if name not in own or manifest[name] != own[name]:
@@ -322,9 +337,13 @@ class ArtifactStore:
             if existing is None:
                 raise FileExistsError(incomplete_message(key, self._uri(target)))
         if existing is not None:
-            logger.info("artifact %s already exists at %s; not publishing %s", key, existing.uri, src)
+            logger.info("artifact %s already exists at %s; not publishing %s", key, existing.uri, src_dir)
+            if uploaded is not None:
+                remote.discard(self.fs, uploaded.tmp)
             return existing
         extra = {k: v for k, v in manifest.items() if k not in own}
+        if uploaded is not None:
+            return remote.commit(self, kind, uploaded, extra, schema_kind)
         side = local if self.is_local else remote
         return side.publish(self, key, kind, src, extra, schema_kind)
 

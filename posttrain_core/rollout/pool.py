@@ -26,6 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from posttrain_core.artifacts.node import NodePath
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.rollout.engine import SamplingSettings
 from posttrain_core.rollout.worker import PENDING, RolloutWorker
@@ -63,8 +64,9 @@ class EnginePool:
         self.warm, self.spec, self.role = warm, spec, role
         self.actors: list[Any] = []
 
-    def serve(self, model_path: str, digest: str, seed: int = 0) -> dict[str, Any]:
-        """Make every actor serve the policy at `model_path` (artifact digest `digest`), starting them if needed.
+    def serve(self, model_path: str | NodePath, digest: str, seed: int = 0) -> dict[str, Any]:
+        """Make every actor serve the policy at `model_path` (artifact digest `digest`), starting them if needed;
+        each actor reads it on its own node (`artifacts.node`).
 
         Returns:
             {"action": started | kept | updated | reloaded, "load_s": seconds}.
@@ -102,8 +104,10 @@ class EnginePool:
                  seconds)  # fmt: skip
         return {"action": action, "load_s": seconds}
 
-    def _start(self, model_path: str, digest: str, seed: int) -> list[Any]:
+    def _start(self, model_path: str | NodePath, digest: str, seed: int) -> list[Any]:
         import ray
+
+        from posttrain_core.cluster import spread
 
         options: dict[str, Any] = {"num_cpus": 0}
         if self.spec.engine == "vllm":
@@ -113,7 +117,7 @@ class EnginePool:
         threads = max(1, (os.cpu_count() or 1) // self.spec.num_engines)
         cls = ray.remote(RolloutWorker)
         return [
-            cls.options(**options).remote(
+            cls.options(**options, scheduling_strategy=place).remote(
                 engine=self.spec.engine,
                 model_path=model_path,
                 policy_digest=digest,
@@ -121,7 +125,7 @@ class EnginePool:
                 seed=seed,
                 num_threads=threads,
             )  # fmt: skip
-            for _ in range(self.spec.num_engines)
+            for place in spread(self.spec.num_engines)
         ]
 
     def generate(self, batches: list[pa.Table], params: SamplingSettings) -> list[pa.Table]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from posttrain_core.artifacts.node import NodePath, node_path
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.plugins import absolute
 from posttrain_core.rollout.engine import SamplingSettings, policy_lengths
@@ -102,7 +103,7 @@ def generate(
     pool: EnginePool,
     table: pa.Table,
     policy: ArtifactRef,
-    model_path: str,
+    model_path: str | NodePath,
     params: SamplingSettings,
     batch_size: int,
     stage: str = STAGE,
@@ -189,7 +190,7 @@ def run_rollout(
     def build(ctx: StageContext) -> StageOutput:
         with WarmGroup.use(warm, STAGE) as group:
             out, metrics, action = generate(
-                EnginePool(group, EngineSpec.of(cfg)), table, policy, str(store.local_path(policy)),
+                EnginePool(group, EngineSpec.of(cfg)), table, policy, node_path(store, policy),
                 sampling_settings(cfg), cfg.batch_size,
             )  # fmt: skip
         write_dataset(out, "rollouts", ctx.outdir)

@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.artifacts.node import node_path
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import DistillConfig
 from posttrain_core.data.schemas import SCHEMAS
@@ -119,7 +120,7 @@ def run_teacher_logprobs(
         started = time.perf_counter()
         with WarmGroup.use(warm, STAGE) as group:
             pool = EnginePool(group, EngineSpec.of(scoring), role=ROLE)
-            load = pool.serve(teacher_path, teacher.digest)
+            load = pool.serve(node_path(store, teacher), teacher.digest)
             parts = pool.score(score_batches(table, scoring.batch_size), scoring.topk)
         seconds = time.perf_counter() - started
         scored, out = pa.concat_tables(parts), table

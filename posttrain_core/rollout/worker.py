@@ -8,11 +8,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from posttrain_core.rollout.engine import SamplingSettings
+
+if TYPE_CHECKING:
+    from posttrain_core.artifacts.node import NodePath
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +46,17 @@ class RolloutWorker:
     def __init__(
         self,
         engine: str,
-        model_path: str,
+        model_path: str | NodePath,
         policy_digest: str,
         dtype: str = "float32",
         seed: int = 0,
         num_threads: int | None = None,
     ):
+        from posttrain_core.artifacts.node import at
         from posttrain_core.cluster import keep_freed_memory
 
         keep_freed_memory()
+        model_path = at(model_path)  # a NodePath: the policy is fetched into this node's cache
         if engine == "hf" and num_threads:
             import torch
 
@@ -68,14 +73,16 @@ class RolloutWorker:
         self.policy_digest: str | None = policy_digest
         self.prefetched: _Prefetched | None = None
 
-    def load(self, model_path: str, policy_digest: str) -> str:
+    def load(self, model_path: str | NodePath, policy_digest: str) -> str:
         """Serve the policy at `model_path` (digest `policy_digest`): "kept" (already served), else the engine's
         "updated" (in place) or "reloaded"."""
         self.prefetched = None
         if policy_digest == self.policy_digest:
             return "kept"
+        from posttrain_core.artifacts.node import at
+
         self.policy_digest = None  # if the load fails half-way, no policy is claimed for the weights
-        action = self.engine.load(model_path, policy_digest)
+        action = self.engine.load(at(model_path), policy_digest)
         self.policy_digest = policy_digest
         return action
 

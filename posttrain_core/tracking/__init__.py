@@ -3,7 +3,7 @@ Modules: runs (flow and stage runs), writer (background writes), process (its he
 
 from posttrain_core.tracking.backend import tracking_uri
 from posttrain_core.tracking.orphans import _owner_tags, end_orphaned_runs
-from posttrain_core.tracking.relay import MetricsFile, MetricsRelay
+from posttrain_core.tracking.relay import MetricsMailbox, MetricsRelay
 from posttrain_core.tracking.runs import (
     RunLogger,
     current_parent,
@@ -19,7 +19,7 @@ from posttrain_core.tracking.writer import _WRITER, client, flush, in_background
 __all__ = [
     "_WRITER",  # the tests hold the writer with it
     "_owner_tags",  # and tag runs as this process's with it
-    "MetricsFile",
+    "MetricsMailbox",
     "MetricsRelay",
     "RunLogger",
     "client",

@@ -1,13 +1,12 @@
-"""Step metrics of training workers: the workers append them to a JSONL file (`MetricsFile`), and the stage's driver
-relays them to the stage's MLflow run (`MetricsRelay`)."""
+"""Step metrics of training workers: rank 0 posts them into its own process (`MetricsMailbox`), and the stage's driver
+takes them from there through Ray and logs them to the stage's MLflow run (`MetricsRelay`). Nothing goes through a
+file, so it works wherever Ray places the rank, on a node that shares no folder with the driver."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from collections.abc import Mapping
-from pathlib import Path
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,57 +14,54 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_POSTED: deque[tuple[int | None, dict[str, float]]] = deque()  # this process's lines not yet taken
 
-class MetricsFile:
-    """Step metrics a training worker appends to a JSONL file, which the stage's driver relays to MLflow.
 
-    Training workers never import MLflow: mlflow, SQLAlchemy and a SQLite connection cost a process ~175 MB of resident
-    memory, and the driver, which has them already, logs what the workers wrote (`MetricsRelay`).
-    Picklable (a path), so it crosses the Ray boundary.
+class MetricsMailbox:
+    """Where a training worker logs its step metrics: kept in the worker's process until the driver takes them.
+
+    Training workers never import MLflow: mlflow, SQLAlchemy and a SQLite connection cost a process ~175 MB of
+    resident memory, and the driver, which has them already, logs what the workers posted. Stateless and picklable,
+    so it crosses the Ray boundary inside a job.
     """
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
-
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        line = json.dumps({"step": step, "metrics": {k: float(v) for k, v in metrics.items() if v is not None}})
-        with open(self.path, "a") as f:  # one short write per line: a reader sees whole lines or none
-            f.write(line + "\n")
+        _POSTED.append((step, {k: float(v) for k, v in metrics.items() if v is not None}))
+
+
+def take_posted() -> list[tuple[int | None, dict[str, float]]]:
+    """The lines posted in this process since the last call, oldest first (safe while another thread posts)."""
+    out = []
+    while _POSTED:
+        out.append(_POSTED.popleft())
+    return out
 
 
 class MetricsRelay:
-    """Logs the lines workers append to a `MetricsFile` into an MLflow run; call `pump()` while they run.
+    """Logs what a worker posted to its `MetricsMailbox` into an MLflow run; call `pump()` while it runs.
 
-    Starts at the file's current end, so lines of an earlier attempt of the stage (a retry resumes in the same
-    working folder) were logged to that attempt's run and are not logged again.
+    `source` fetches the posted lines (`cluster.RankActor.posted_metrics` of rank 0, through Ray); the relay of a
+    retried stage starts with a new worker process, so no line is logged twice.
     """
 
-    def __init__(self, path: str | os.PathLike, tracker: RunLogger):
-        self.sink = MetricsFile(path)
+    def __init__(self, tracker: RunLogger, source: Callable[[], list] | None = None):
+        self.sink = MetricsMailbox()
         self.tracker = tracker
-        self.offset = os.path.getsize(path) if os.path.exists(path) else 0
-
-    @classmethod
-    def in_folder(cls, folder: str | os.PathLike, tracker: RunLogger) -> MetricsRelay:
-        """The relay of a stage's working folder (`metrics.jsonl` there): what the training stages use."""
-        return cls(Path(folder) / "metrics.jsonl", tracker)
+        self.source = source
 
     def pump(self) -> int:
-        """Log the complete lines written since the last call; returns how many. Never raises: a tracking hiccup
-        must not fail the training it watches (the lines stay in the file)."""
-        try:
-            with open(self.sink.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
+        """Log the lines posted since the last call; returns how many. Never raises: a tracking hiccup or a lost
+        worker must not fail (or hide the error of) the training it watches."""
+        if self.source is None:
             return 0
-        end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
-        lines = data[:end].splitlines()
         try:
-            for line in lines:
-                item = json.loads(line)
-                self.tracker.log_metrics(item["metrics"], step=item["step"])
+            lines = self.source()
+        except Exception as e:  # noqa: BLE001
+            log.debug("no training metrics to relay: %s", e)
+            return 0
+        try:
+            for step, metrics in lines:
+                self.tracker.log_metrics(metrics, step=step)
         except Exception as e:  # noqa: BLE001
             log.warning("could not relay training metrics to MLflow: %s", e)
-        self.offset += end
         return len(lines)

@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from posttrain_core.artifacts.node import NodePath, Outbox, on_node
 from posttrain_core.config import TrainConfig
-from posttrain_core.tracking import MetricsFile
-from posttrain_core.train.steps import Progress, periodic_checkpoint, resume_from_checkpoint
+from posttrain_core.tracking import MetricsMailbox
+from posttrain_core.train.steps import Progress, periodic_checkpoint, resume_from_checkpoint, ship
 
 IGNORE = -100
 
@@ -27,11 +28,12 @@ class TrainJob:
 
     objective: Literal["sft", "pretrain"]
     cfg: TrainConfig
-    data_path: str
-    base_path: str
+    data_path: str | NodePath
+    base_path: str | NodePath
     workdir: str
     outdir: str
-    tracker: MetricsFile | None = None  # rank 0 appends step metrics; the driver relays them to MLflow
+    outbox: Outbox | None = None  # a remote store: where the ranks' output and checkpoints go (`artifacts.node`)
+    tracker: MetricsMailbox | None = None  # rank 0 posts step metrics; the driver relays them to MLflow
     fail_after_step: int | None = None  # test hook, None in production: see steps.inject_fault
     stage: str = "train"
 
@@ -313,4 +315,5 @@ class Trainer:
         self.rank, self.world = rank, world_size
 
     def train(self, job: TrainJob) -> dict:
-        return train_loop(job, self.rank, self.world)
+        job = on_node(job)
+        return ship(job, train_loop(job, self.rank, self.world))

@@ -9,10 +9,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from posttrain_core.artifacts.node import NodePath, Outbox, at, on_node
 from posttrain_core.config import DPOConfig, RewardModelConfig
-from posttrain_core.tracking import MetricsFile
+from posttrain_core.tracking import MetricsMailbox
 from posttrain_core.train.loop import IGNORE, build_optimizer, collate, data_parallel, global_batch, optimizer_step
-from posttrain_core.train.steps import Progress, periodic_checkpoint, resume_from_checkpoint
+from posttrain_core.train.steps import Progress, periodic_checkpoint, resume_from_checkpoint, ship
 
 REF_COLUMNS = ("ref_chosen_logp", "ref_rejected_logp")
 N_PROBES = 8  # held-out pairs whose RM scores are stored in the manifest (to check a reloaded checkpoint)
@@ -27,11 +28,12 @@ class PreferenceJob:
 
     objective: Literal["rm", "dpo"]
     cfg: RewardModelConfig | DPOConfig
-    data_path: str  # preferences; for DPO with the REF_COLUMNS
-    model_path: str  # RM: the causal-LM backbone; DPO: the policy
+    data_path: str | NodePath  # preferences; for DPO with the REF_COLUMNS
+    model_path: str | NodePath  # RM: the causal-LM backbone; DPO: the policy
     workdir: str
     outdir: str
-    tracker: MetricsFile | None = None  # rank 0 appends step metrics; the driver relays them to MLflow
+    outbox: Outbox | None = None  # a remote store: where the ranks' output and checkpoints go (`artifacts.node`)
+    tracker: MetricsMailbox | None = None  # rank 0 posts step metrics; the driver relays them to MLflow
     fail_after_step: int | None = None  # test hook, None in production: see steps.inject_fault
     stage: str = "rm"  # prefix of the progress lines
 
@@ -313,14 +315,18 @@ class PreferenceTrainer:
         self.rank, self.world = rank, world_size
 
     def train(self, job: PreferenceJob) -> dict:
-        return preference_loop(job, self.rank, self.world)
+        job = on_node(job)
+        return ship(job, preference_loop(job, self.rank, self.world))
 
 
 def reference_shard(
-    model_path: str, data_path: str, rows: list[int], max_seq_len: int, batch_size: int, threads: int
+    model_path: str | NodePath, data_path: str | NodePath, rows: list[int], max_seq_len: int, batch_size: int,
+    threads: int,
 ) -> list[tuple[float, float]]:
     """Ray task: reference (chosen, rejected) summed response log-probs of `rows`; NaN where a response is cut off."""
     import torch
+
+    model_path, data_path = at(model_path), at(data_path)
 
     from posttrain_core.data.io import read_dataset
     from posttrain_core.models.heads import TokenLogprobs, sequence_logprobs

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.artifacts.node import NodePath, node_path
 from posttrain_core.config import DPOConfig, RewardModelConfig
 from posttrain_core.stage import StageContext, StageOutput, key_for, run_stage
 from posttrain_core.train.preference_loop import REF_COLUMNS, PreferenceJob, PreferenceTrainer, reference_shard
@@ -37,13 +38,14 @@ def validate_preference_inputs(
     for name, ref in models.items():
         if ref.kind != "model":
             raise ValueError(f"{stage}: input '{name}' must be a model artifact, got a {ref.kind} ({ref.uri})")
-        info = infos[name] = check_model_path(ref.uri)
+        path = store.local_path(ref)
+        info = infos[name] = check_model_path(path)
         ctx = info.get("max_position_embeddings")
         if ctx and cfg.max_seq_len > ctx:
             raise ValueError(
                 f"{stage}: max_seq_len={cfg.max_seq_len} exceeds the context ({ctx}) of '{name}' at {ref.uri}"
             )
-        load_tokenizer(ref.uri, require_chat_template=True)
+        load_tokenizer(str(path), require_chat_template=True)
     sizes = {name: info.get("vocab_size") for name, info in infos.items()}
     if len(set(sizes.values())) > 1:
         raise ValueError(f"{stage}: the models' vocabularies differ ({sizes}): the reference must share the tokenizer")
@@ -59,7 +61,7 @@ def validate_preference_inputs(
     return infos
 
 
-def _train(objective: Literal["rm", "dpo"], cfg, data_path: str, model_path: str, ctx: StageContext) -> dict:
+def _train(objective: Literal["rm", "dpo"], cfg, data_path: NodePath, model_path: NodePath, ctx: StageContext) -> dict:
     """Rank 0's result of `preference_loop` on `cfg.num_workers` ranks."""
     job = dict(objective=objective, cfg=cfg, data_path=data_path, model_path=model_path, stage=objective)
     return launch(PreferenceTrainer, PreferenceJob, ctx, "pairs", **job)
@@ -68,6 +70,7 @@ def _train(objective: Literal["rm", "dpo"], cfg, data_path: str, model_path: str
 def _output(result: dict, extra: dict) -> StageOutput:
     info, history, probes = result.pop("model_info"), result.pop("history"), result.pop("probes")
     return StageOutput(
+        uploaded=result.pop("uploaded", None),
         manifest={
             **extra,
             "architecture": info.get("architecture"),
@@ -93,7 +96,7 @@ def run_reward_model(cfg: RewardModelConfig, data: ArtifactRef, base: ArtifactRe
     infos = validate_preference_inputs("reward_model", cfg, data, {"base": base}, store)
 
     def build(ctx: StageContext) -> StageOutput:
-        result = _train("rm", cfg, str(store.local_path(data)), str(store.local_path(base)), ctx)
+        result = _train("rm", cfg, node_path(store, data), node_path(store, base), ctx)
         extra = {"objective": "reward_model", "base_model": base.uri, "model_type": infos["base"].get("model_type")}
         return _output(result, extra)
 
@@ -122,8 +125,8 @@ def run_reference_logprobs(
         from posttrain_core.cluster import connect, split
         from posttrain_core.data.io import read_dataset, write_dataset
 
-        data_path, model_path = str(store.local_path(data)), str(store.local_path(reference_model))
-        table = read_dataset(data_path, "preferences")
+        data_path, model_path = node_path(store, data), node_path(store, reference_model)
+        table = read_dataset(store.local_path(data), "preferences")
         table = table.drop_columns([c for c in REF_COLUMNS if c in table.column_names])
         shards = split(list(range(table.num_rows)), cfg.num_workers)
         connect()
@@ -183,7 +186,7 @@ def run_dpo(
 
         assert ref_lp is not None
         tracking.log_inputs(ctx.tracker, {"reference_logprobs": ref_lp})
-        result = _train("dpo", cfg, str(store.local_path(ref_lp)), str(store.local_path(policy)), ctx)
+        result = _train("dpo", cfg, node_path(store, ref_lp), node_path(store, policy), ctx)
         extra = {
             "objective": "dpo",
             "base_model": policy.uri,

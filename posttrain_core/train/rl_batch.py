@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from posttrain_core.artifacts.node import NodePath, Outbox
 from posttrain_core.config import RLConfig
 from posttrain_core.train.loop import IGNORE
 from posttrain_core.train.rl_stats import LogpChecks
@@ -50,10 +51,11 @@ class RLJob:
     """What the workers load; plain and picklable."""
 
     cfg: RLConfig  # resolved (no empty preset fields)
-    policy_path: str
-    reference_path: str | None  # None: no reference (value pretraining); ignored with LoRA (adapter disabled)
-    critic_path: str | None  # a critic folder to continue, or a causal LM to start one from; None: no critic
-    state_path: str | None  # trainer_state.pt of the previous update, if any
+    # The inputs, as each rank reads them on its node (`artifacts.node.on_node`).
+    policy_path: str | NodePath
+    reference_path: str | NodePath | None  # None: no reference (value pretraining); ignored with LoRA
+    critic_path: str | NodePath | None  # a critic folder to continue, or a causal LM to start one from; None: none
+    state_path: str | NodePath | None  # trainer_state.pt of the previous update, if any
     outdir: str
     train_policy: bool = True  # False: value pretraining (critic only)
     stage: str = "rl_update"
@@ -62,6 +64,7 @@ class RLJob:
     policy_key: str | None = None
     critic_key: str | None = None
     output_key: str | None = None
+    outbox: Outbox | None = None  # a remote store: rank 0 uploads the output folder (`artifacts.node.Outbox`)
 
 
 @dataclass(frozen=True)

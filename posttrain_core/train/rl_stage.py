@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.artifacts.node import NodePath, node_path, outbox_of
 from posttrain_core.cluster import WarmGroup, WorkerGroup, split
 from posttrain_core.config import RLConfig, RolloutConfig
 from posttrain_core.stage import StageContext, StageOutput, run_stage
@@ -89,10 +90,8 @@ def _launch(
         ref_in_update = False
         if need_old or job.critic_path is not None:
             shards = split(list(range(len(batch))), cfg.num_workers)
-            calls = [
-                a.call.remote("prepare", batch_ref, s, need_old) for a, s in zip(ranks.actors, shards, strict=False)
-            ]
-            prepared = Prepared.concat(ray.get(calls))  # shards are contiguous and in rank order
+            # shards are contiguous and in rank order
+            prepared = Prepared.concat(ranks.run_each("prepare", [(batch_ref, s, need_old) for s in shards]))
         else:
             ref_in_update = job.reference_path is not None
         targets, metrics = compute_targets(cfg, batch, prepared, kl_coef, epochs, ref_in_update)
@@ -107,7 +106,7 @@ def _launch(
             except Exception as err:  # noqa: BLE001 - the update does not depend on it: the next rollout generates
                 log.warning("%s: could not start the next rollout early (%s: %s)", job.stage, type(err).__name__, err)
                 prefetched = False
-            result["model_info"] = ray.get(rank0.call.remote("save"))
+            result["model_info"] = ranks.run_each("save", [()])[0]
             result["prefetched_next_rollout"] = float(prefetched)
     # start-up (actors, process group, model loading) vs the work: old/ref log-probs + advantages, then the update
     metrics.update(startup_s=t1 - t0, prepare_s=t2 - t1, train_s=time.time() - t2)
@@ -164,12 +163,12 @@ def check_rl_inputs(
                              f"{ref.uri}")  # fmt: skip
 
 
-def critic_source(store: ArtifactStore, ref: ArtifactRef | None) -> str | None:
+def critic_source(store: ArtifactStore, ref: ArtifactRef | None) -> NodePath | None:
     """The critic folder inside an update or value-pretraining artifact (None if it has none)."""
     if ref is None:
         return None
     path = Path(store.local_path(ref)) / CRITIC_DIR
-    return str(path) if path.exists() else None
+    return node_path(store, ref, CRITIC_DIR) if path.exists() else None
 
 
 def run_rl_update(
@@ -213,21 +212,22 @@ def run_rl_update(
 
     def build(ctx: StageContext) -> StageOutput:
         batch, data_metrics = load_batch(store, scored, policy, rcfg, STAGE, teacher, sampler)
-        policy_path = str(store.local_path(policy))
-        state = Path(policy_path) / STATE_FILE
+        policy_path = node_path(store, policy)
+        state = Path(store.local_path(policy)) / STATE_FILE
         prev = store.manifest(policy) if not policy.external else {}
         kl_coef = float(prev.get("next_kl_coef", rcfg.kl_coef))
         critic_path = (critic_source(store, critic) or policy_path) if rcfg.uses_critic else None
         job = RLJob(
             cfg=rcfg,
             policy_path=policy_path,
-            reference_path=str(store.local_path(reference)),
+            reference_path=node_path(store, reference),
             critic_path=critic_path,
-            state_path=str(state) if state.exists() else None,
+            state_path=node_path(store, policy, STATE_FILE) if state.exists() else None,
             outdir=str(ctx.outdir),
             policy_key=policy.key,
             critic_key=critic.key if critic is not None else None,
             output_key=ctx.key,
+            outbox=outbox_of(store, ctx.key),
         )
         log.info(
             "%s: %s on %d samples (%d groups), %d workers, %d epochs x %d mini-batches",
@@ -245,6 +245,7 @@ def run_rl_update(
 
         result, driver_metrics = _launch(job, batch, rcfg, kl_coef, rcfg.ppo_epochs, warm, prefetch)
         info = result.pop("model_info")
+        uploaded = info.pop("uploaded", None)
         metrics = {**data_metrics, **driver_metrics, **{k: float(v) for k, v in result.items()}}
         log.info("%s: %s", STAGE, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         manifest = {
@@ -258,7 +259,7 @@ def run_rl_update(
             "critic": CRITIC_DIR if rcfg.uses_critic else None,
             "next_kl_coef": driver_metrics["next_kl_coef"],
         }
-        return StageOutput(manifest=manifest, metrics=metrics)
+        return StageOutput(manifest=manifest, metrics=metrics, uploaded=uploaded)
 
     return run_stage(STAGE, cfg, inputs, store, "model", build)
 
@@ -277,7 +278,7 @@ def run_value_pretrain(
     def build(ctx: StageContext) -> StageOutput:
         no_filter = rcfg.model_copy(update={"dynamic_sampling": False})
         batch, data_metrics = load_batch(store, [scored], policy, no_filter, VALUE_STAGE)
-        policy_path = str(store.local_path(policy))
+        policy_path = node_path(store, policy)
         job = RLJob(
             cfg=rcfg,
             policy_path=policy_path,
@@ -287,11 +288,14 @@ def run_value_pretrain(
             outdir=str(ctx.outdir),
             train_policy=False,
             stage=VALUE_STAGE,
+            outbox=outbox_of(store, ctx.key),
         )
         result, driver_metrics = _launch(job, batch, rcfg, 0.0, rcfg.value_pretrain_steps, warm)
+        uploaded = result["model_info"].pop("uploaded", None)
         metrics = {**data_metrics, **{k: float(v) for k, v in result.items() if k in _VALUE_KEYS}}
         metrics["value_mean_before"] = driver_metrics.get("value_mean", 0.0)
-        return StageOutput(manifest={"objective": "value_pretrain", "critic": CRITIC_DIR}, metrics=metrics)
+        manifest = {"objective": "value_pretrain", "critic": CRITIC_DIR}
+        return StageOutput(manifest=manifest, metrics=metrics, uploaded=uploaded)
 
     return run_stage(VALUE_STAGE, cfg, {"scored": scored, "policy": policy}, store, "model", build)
 

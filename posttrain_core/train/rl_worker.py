@@ -21,6 +21,7 @@ import functools
 import time
 from typing import Any
 
+from posttrain_core.artifacts.node import on_node
 from posttrain_core.train.loop import data_parallel, peak_rss_mb
 from posttrain_core.train.rl_batch import (
     BatchTensors,
@@ -57,7 +58,7 @@ class RLWorker:
         import torch
 
         if self._continues(job):
-            self.job = job
+            self.given, self.job = job, on_node(job, fetch=False)
             torch.manual_seed(job.cfg.seed)  # as a fresh load does
             return {"state": "continued", "dropout": _dropout_active(self.policy)}
         self.release()
@@ -76,7 +77,8 @@ class RLWorker:
         from posttrain_core.vision.inputs import VisionSpec, freeze_tower
 
         cfg = self.cfg = job.cfg
-        self.job = job
+        self.given, self.job = job, on_node(job)  # `given` (the job as sent) is what the next update compares
+        job = self.job
         torch.manual_seed(cfg.seed)
         self.tokenizer = load_tokenizer(job.policy_path)
         pad_id = self.tokenizer.pad_token_id
@@ -138,7 +140,7 @@ class RLWorker:
 
     def keep(self) -> None:
         """After a successful update: keep the models for an update that continues from its artifact."""
-        job = self.__dict__.get("job")
+        job = self.__dict__.get("given")
         if job is not None and job.train_policy and job.output_key is not None:
             self.kept = (job.output_key, job.reference_path, job.cfg)
 
@@ -147,7 +149,7 @@ class RLWorker:
         import gc
 
         for name in ("policy", "reference", "critic", "ddp_policy", "ddp_critic", "opt", "critic_opt", "sched",
-                     "critic_sched", "params", "critic_params", "job", "tokenizer", "kept"):  # fmt: skip
+                     "critic_sched", "params", "critic_params", "job", "given", "tokenizer", "kept"):  # fmt: skip
             self.__dict__.pop(name, None)
         gc.collect()
 
@@ -427,7 +429,10 @@ class RLWorker:
         if self.critic_opt is not None:
             state.update(critic_optimizer=self.critic_opt.state_dict(), critic_scheduler=self.critic_sched.state_dict())
         policy = self.policy if self.job.train_policy else None
-        return save_update(self.job.outdir, policy, self.tokenizer, self.critic, state)
+        info = save_update(self.job.outdir, policy, self.tokenizer, self.critic, state)
+        if self.job.outbox is not None:  # a remote store: the driver publishes what this rank uploads
+            info["uploaded"] = self.job.outbox.ship(self.job.outdir)
+        return info
 
 
 def _dropout_active(model) -> bool:

@@ -7,6 +7,7 @@ in-stage checkpoint in the stage's staging folder.
 from __future__ import annotations
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.artifacts.node import node_path
 from posttrain_core.config import PretrainConfig, SFTConfig, TrainConfig
 from posttrain_core.stage import StageContext, StageOutput, run_stage
 from posttrain_core.train.loop import Trainer, TrainJob
@@ -23,14 +24,17 @@ def run_pretrain(cfg: PretrainConfig, data: ArtifactRef, base: ArtifactRef, stor
     return _run_training("pretrain", "pretrain", cfg, data, base, store)
 
 
-def validate_inputs(objective: str, cfg: TrainConfig, data: ArtifactRef, base: ArtifactRef) -> dict:
-    """Fail before any Ray work: wrong dataset kind, a model path that is not a model, a too long max_seq_len."""
+def validate_inputs(
+    objective: str, cfg: TrainConfig, data: ArtifactRef, base: ArtifactRef, store: ArtifactStore | None = None
+) -> dict:
+    """Fail before any Ray work: wrong dataset kind, a model path that is not a model, a too long max_seq_len.
+    `base` is read through `store` (from a remote store: its copy in this machine's cache)."""
     from posttrain_core.models.loading import check_model_path
 
     want = "text" if objective == "pretrain" else "sft"
     if data.kind != "dataset" or data.schema_kind != want:
         raise ValueError(f"{objective}: input data must be a '{want}' dataset, got {data.kind}/{data.schema_kind}")
-    info = check_model_path(base.uri)
+    info = check_model_path(store.local_path(base) if store is not None else base.uri)
     ctx = info.get("max_position_embeddings")
     if ctx and cfg.max_seq_len > ctx:
         raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's context ({ctx}) at {base.uri}")
@@ -40,15 +44,16 @@ def validate_inputs(objective: str, cfg: TrainConfig, data: ArtifactRef, base: A
 def _run_training(
     stage: str, objective: str, cfg: TrainConfig, data: ArtifactRef, base: ArtifactRef, store: ArtifactStore
 ) -> ArtifactRef:
-    base_info = validate_inputs(objective, cfg, data, base)
+    base_info = validate_inputs(objective, cfg, data, base, store)
 
     def build(ctx: StageContext) -> StageOutput:
-        paths = dict(data_path=str(store.local_path(data)), base_path=str(store.local_path(base)))
+        paths = dict(data_path=node_path(store, data), base_path=node_path(store, base))
         result = launch(Trainer, TrainJob, ctx, objective=objective, cfg=cfg, stage=stage, **paths)
         info = result.pop("model_info")
         history = result.pop("loss_history")
         step_seconds = result.pop("step_seconds")
         return StageOutput(
+            uploaded=result.pop("uploaded", None),
             manifest={
                 "objective": objective,
                 "base_model": base.uri,

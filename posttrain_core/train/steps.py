@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # A job (`TrainJob`, `PreferenceJob`) is a frozen dataclass with at least: cfg (a TrainConfig-like config), workdir,
-# outdir, tracker (a MetricsFile or None), fail_after_step (None outside tests) and stage (the progress lines' prefix).
+# outdir, outbox (`artifacts.node.Outbox` for a remote store, else None), tracker (a MetricsMailbox or None),
+# fail_after_step (None outside tests) and stage (the progress lines' prefix). Its input paths may be `NodePath`s:
+# a rank calls `artifacts.node.on_node(job)` first, and `ship(job, result)` last.
 
 # How a metric shows in the progress line, in the order the loop passes them; one not listed is logged, not shown.
 _SHOWN = {
@@ -103,6 +105,16 @@ def save_train_state(job: Any, model, opt, sched, step: int) -> None:
     os.replace(tmp, folder / f"step_{step:07d}.pt")
     for old in checkpoints(job.workdir)[: -job.cfg.keep_checkpoints]:
         old.unlink(missing_ok=True)
+    if job.outbox is not None:  # a remote store: the checkpoint must outlive this node
+        job.outbox.keep(folder / f"step_{step:07d}.pt", job.cfg.keep_checkpoints)
+
+
+def ship(job: Any, result: dict) -> dict:
+    """Rank 0's result, with the output folder uploaded to the store when the job has an outbox (`uploaded`: what
+    the stage publishes instead of its local output folder)."""
+    if job.outbox is not None and "model_info" in result:
+        result["uploaded"] = job.outbox.ship(job.outdir)
+    return result
 
 
 def resume_from_checkpoint(job: Any, model, opt, sched, rank: int) -> int:
@@ -158,14 +170,19 @@ def launch(role: type, job_type: type, ctx: StageContext, batch_unit: str = "seq
 
     Args:
         role: the rank's role class (`Trainer`, `PreferenceTrainer`).
-        job_type: its job dataclass; `fields` are its fields but workdir, outdir and tracker, which come from `ctx`.
+        job_type: its job dataclass; `fields` are its fields but workdir, outdir, outbox and tracker, which come
+            from `ctx`.
         batch_unit: what a global batch counts, for the log line.
     """
+    from posttrain_core.artifacts.node import outbox_of
     from posttrain_core.cluster import WorkerGroup
     from posttrain_core.tracking import MetricsRelay
 
-    relay = MetricsRelay.in_folder(ctx.workdir, ctx.tracker)
-    job = job_type(**fields, workdir=str(ctx.workdir), outdir=str(ctx.outdir), tracker=relay.sink)
+    relay = MetricsRelay(ctx.tracker)
+    job = job_type(
+        **fields, workdir=str(ctx.workdir), outdir=str(ctx.outdir), outbox=outbox_of(ctx.store, ctx.key),
+        tracker=relay.sink,
+    )  # fmt: skip
     cfg = job.cfg
     log.info(
         "%s: %d workers, %d steps, global batch %d %s (micro %d x accum %d)",
@@ -178,6 +195,7 @@ def launch(role: type, job_type: type, ctx: StageContext, batch_unit: str = "seq
         cfg.grad_accum_steps,
     )
     group = WorkerGroup.start(role, cfg.num_workers)
+    relay.source = group.metrics_source()
     try:
         return group.run("train", job, poll=relay.pump)[0]
     finally:

@@ -1,0 +1,56 @@
+"""The flow's machine in the two-node tests: run the rlhf flow on the cluster in $RAY_ADDRESS, then ask the other node
+what it can see. Usage: python cluster_driver.py CONFIG_JSON RESULT_JSON [PATH ...]; the PATHs are the flow machine's
+folders (store staging, cache, session) that the other node must not be able to open."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def probe(paths: list[str]) -> dict:
+    """On the node it runs on: which of `paths` exist there, and what its own cache of the store holds."""
+    import ray
+
+    from posttrain_core.env import setting
+
+    cache = Path(setting("POSTTRAIN_CACHE_DIR") or "~/.cache/posttrain").expanduser() / "cache"
+    return {
+        "node": ray.get_runtime_context().get_node_id(),
+        "visible": {p: os.path.exists(p) for p in paths},
+        "cached": sorted(p.name for p in cache.iterdir()) if cache.is_dir() else [],
+    }
+
+
+def main() -> None:
+    import ray
+
+    from flows.rlhf import rlhf_flow
+    from posttrain_core.cluster import connect
+    from posttrain_core.config import RLHFFlowConfig
+
+    cfg = RLHFFlowConfig.model_validate_json(sys.argv[1])
+    connect()
+    head = ray.get_runtime_context().get_node_id()
+    others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
+    print(f"CLUSTER head {head} others {others}", flush=True)
+    started = time.time()
+    result = rlhf_flow(cfg)
+    wall = time.time() - started
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
+    task = ray.remote(num_cpus=0)(probe)
+    probes = [
+        ray.get(task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(sys.argv[3:]))
+        for node in alive
+    ]
+    out = {"digest": result["policy"].digest, "policy": result["policy"].key, "wall_s": wall, "probes": probes}
+    Path(sys.argv[2]).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

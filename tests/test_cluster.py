@@ -1,0 +1,92 @@
+"""The rlhf flow on a Ray cluster whose nodes share no folder (`ray_nodes`: a head, and a worker node in a mount
+namespace of its own with a fresh tmpfs over /tmp), with the store on an S3 API (`s3_server`).
+
+SFT, then 2 GRPO iterations whose 2 update ranks (and the 2 SFT ranks) are placed on different nodes, end on the
+same policy, bit for bit, as the same config on one machine with a local store. The worker node's raylet is killed
+with SIGKILL during iteration 2's update: the failed attempt's error names the lost node, and the retried update
+starts again from the store on the nodes that are left and ends on the same digest. A rerun after the node is back
+rebuilds nothing. The worker node demonstrably could not open the flow machine's store staging, cache or session
+folders: everything it read and wrote went through the store's S3 API or Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from ray_nodes import REPO, WORKER_IP, two_nodes
+
+pytestmark = pytest.mark.slow
+
+
+def _config(store: str):
+    from test_rlhf_flow import _config as rlhf_config
+
+    from posttrain_core.config import SFTConfig
+
+    sft = SFTConfig(max_steps=6, checkpoint_every=3, global_batch_size=16, micro_batch_size=8, max_seq_len=64,
+                    log_every=2, warmup_steps=2)  # fmt: skip
+    cfg = rlhf_config(store, sft=sft)
+    return cfg.model_copy(update=dict(rl=cfg.rl.model_copy(update=dict(num_workers=2))))
+
+
+def _drive(nodes, cfg, work: Path, name: str, hidden: list[Path], kill_in_update: int | None = None) -> dict:
+    """Run the flow from the head (`cluster_driver`); with `kill_in_update`, SIGKILL the worker node's raylet once
+    that iteration's update has started. Returns the driver's result, with its log."""
+    log, result = work / f"{name}.log", work / f"{name}.json"
+    env = {**nodes.env, "POSTTRAIN_CACHE_DIR": str(work / "driver-cache")}
+    cmd = [sys.executable, str(REPO / "tests" / "cluster_driver.py"), cfg.model_dump_json(), str(result),
+           *map(str, hidden)]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.time() + 900
+    if kill_in_update is not None:
+        while log.read_text().count("rl_update: grpo on") < kill_in_update:
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(nodes.worker_raylet(), 9)
+    assert proc.wait(timeout=max(1, deadline - time.time())) == 0, log.read_text()[-5000:]
+    return {**json.loads(result.read_text()), "log": log.read_text()}
+
+
+def test_rlhf_flow_on_two_nodes_sharing_no_folder(prefect_api, ray_session, s3, tmp_path, monkeypatch):
+    from flows.rlhf import rlhf_flow
+
+    monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "test-cluster")  # one key for both runs: keys hash the code
+    one_node = rlhf_flow(_config(str(tmp_path / "local-store")))  # the session's one-machine Ray, a local store
+
+    root = f"s3://{s3['bucket']}/{uuid.uuid4().hex}"
+    env = {k: v for k, v in s3.items() if k != "bucket"} | {
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/cluster-mlflow.db",
+        "PREFECT_HOME": str(tmp_path / "cluster-prefect"),
+        "POSTTRAIN_CODE_VERSION": "test-cluster",
+    }
+    # The flow machine's folders, all under /tmp: what the worker node must not see.
+    hidden = [tmp_path / "driver-cache", tmp_path / "head-cache", tmp_path]
+    with two_nodes(tmp_path, env, tmp_path / "head-cache") as nodes:
+        run = _drive(nodes, _config(root), tmp_path, "killed", hidden, kill_in_update=2)
+        log = run["log"]
+        # Both groups of ranks spanned the two nodes.
+        spans = [line for line in log.splitlines() if "2 ranks on nodes" in line]
+        assert len(spans) >= 2 and all(WORKER_IP in line for line in spans[:2]), spans
+        # The lost node is named, and the update was retried without it.
+        assert "the lost rank ran on node" in log and f"({WORKER_IP})" in log.split("the lost rank ran on node")[1][:40]
+        assert run["digest"] == one_node["policy"].digest
+
+        # The node comes back (a fresh /tmp: an empty cache); a rerun builds nothing and ends on the same policy.
+        nodes.kill_worker()
+        nodes.start_worker()
+        from ray_nodes import wait_for_nodes
+
+        wait_for_nodes(nodes, 2, nodes.worker)
+        again = _drive(nodes, _config(root), tmp_path, "rerun", hidden)
+        assert again["digest"] == one_node["policy"].digest and "building" not in again["log"]
+        (probe,) = again["probes"]
+        assert probe["visible"] and not any(probe["visible"].values()), probe  # the namespace is in force
+    assert all(Path(p).exists() for p in probe["visible"])  # ... and they do exist, here
