@@ -185,6 +185,25 @@ def download(store: ArtifactStore, ref: ArtifactRef) -> Path:
     return dest
 
 
+def fetch_adapter_base(store: ArtifactStore, folder: Path) -> None:
+    """An adapter records its base model by the path it had where it was trained. When that path is not on this
+    node and names a store artifact (a key), download the base into this node's cache, beside the adapter, where
+    `models.loading` finds it."""
+    config = folder / "adapter_config.json"
+    if not config.exists():
+        return
+    base = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+    if not base or Path(base).exists():
+        return
+    try:
+        check_key(Path(base).name)
+    except ValueError:
+        return
+    ref = store.get(Path(base).name)
+    if ref is not None:
+        download(store, ref)
+
+
 def remove(fs: fsspec.AbstractFileSystem, target: str) -> None:
     """Remove an artifact folder, manifest.json first: `get()` misses it from then on, and a crash in between leaves
     a folder without a manifest (see `sweep`)."""

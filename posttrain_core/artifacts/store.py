@@ -228,7 +228,8 @@ class ArtifactStore:
         return out
 
     def local_path(self, ref: ArtifactRef) -> Path:
-        """The local folder of an artifact; one from a remote store is downloaded once into `{cache_root}/{key}`.
+        """The local folder of an artifact; one from a remote store is downloaded once into `{cache_root}/{key}`
+        (a LoRA adapter's base artifact with it, beside it: `remote.fetch_adapter_base`).
 
         The cached copy is reused while its manifest digest equals the ref's, and checked against the digest when
         downloaded.
@@ -242,7 +243,9 @@ class ArtifactStore:
             if not path.exists():
                 raise FileNotFoundError(f"artifact {ref.key}: {path} does not exist")
             return path
-        return remote.download(self, ref)
+        path = remote.download(self, ref)
+        remote.fetch_adapter_base(self, path)
+        return path
 
     # ----------------------------------------------------------------------------------------------- staging
     def staging_dir(self, key: str) -> Path:

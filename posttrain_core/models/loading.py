@@ -54,6 +54,10 @@ def _resolve_base(adapter_dir: Path, base: str | None) -> Path:
     candidate = Path(base).expanduser()
     if not candidate.is_absolute() and not candidate.exists() and (adapter_dir / candidate).exists():
         candidate = adapter_dir / candidate
+    if not candidate.exists() and (adapter_dir.parent / candidate.name).is_dir():
+        # An artifact copied into another machine's cache of a remote store: the base artifact (recorded at the
+        # path it had where the adapter was trained) is its sibling there (`artifacts.node.NodePath`).
+        candidate = adapter_dir.parent / candidate.name
     return candidate
 
 
