@@ -21,7 +21,19 @@ def probe(paths: list[str]) -> dict:
     return {
         "node": ray.get_runtime_context().get_node_id(),
         "visible": {p: os.path.exists(p) for p in paths},
-        "cached": sorted(p.name for p in cache.iterdir()) if cache.is_dir() else [],
+        "cache": str(cache),
+        "cached": cached(cache),
+    }
+
+
+def cached(cache: Path) -> dict[str, int]:
+    """key -> bytes of each artifact copy in a cache folder."""
+    if not cache.is_dir():
+        return {}
+    return {
+        copy.name: sum(f.stat().st_size for f in copy.rglob("*") if f.is_file())
+        for copy in cache.iterdir()
+        if not copy.name.startswith(".")
     }
 
 
@@ -42,13 +54,30 @@ def main() -> None:
     wall = time.time() - started
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from posttrain_core.artifacts import ArtifactStore
+
     alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
     task = ray.remote(num_cpus=0)(probe)
     probes = [
         ray.get(task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(sys.argv[3:]))
-        for node in alive
+        for node in [*alive, head]
     ]
-    out = {"digest": result["policy"].digest, "policy": result["policy"].key, "wall_s": wall, "probes": probes}
+    store = ArtifactStore(cfg.store)
+    artifacts = {
+        ref.key: {"stage": m.get("stage"), "bytes": sum(f["size"] for f in m.get("files", []))}
+        for ref in store.list()
+        for m in [store.manifest(ref)]
+    }
+    out = {
+        "digest": result["policy"].digest,
+        "policy": result["policy"].key,
+        "wall_s": wall,
+        "probes": probes[:-1],  # the other nodes
+        "head": probes[-1],
+        "driver_cache": str(store.cache_root),
+        "driver_cached": cached(store.cache_root),
+        "artifacts": artifacts,
+    }
     Path(sys.argv[2]).write_text(json.dumps(out))
 
 

@@ -32,7 +32,7 @@ def _config(store: str):
 
     sft = SFTConfig(max_steps=6, checkpoint_every=3, global_batch_size=16, micro_batch_size=8, max_seq_len=64,
                     log_every=2, warmup_steps=2)  # fmt: skip
-    cfg = rlhf_config(store, sft=sft)
+    cfg = rlhf_config(store, sft=sft, eval_samples=0)
     return cfg.model_copy(update=dict(rl=cfg.rl.model_copy(update=dict(num_workers=2))))
 
 
