@@ -43,7 +43,7 @@ def run_evaluate(
 
     if prompts.schema_kind != "prompts":
         raise ValueError(f"{STAGE}: input must be a 'prompts' dataset, got {prompts.schema_kind}")
-    info = check_model_path(store.local_path(model))
+    info = check_model_path(store.metadata_path(model))  # checks only: no weights downloaded for them
     table = read_dataset(store.local_path(prompts), "prompts")
     table = table.filter(pa.array([a is not None for a in table.column("answer").to_pylist()], pa.bool_()))
     if cfg.max_prompts:
@@ -53,13 +53,13 @@ def run_evaluate(
     check_unique_ids(table, prompts.uri, STAGE)
     budget = check_tools(cfg.tools, cfg.max_new_tokens, "EvalConfig")
     field = "EvalConfig.tools.max_total_tokens" if cfg.tools else "EvalConfig.max_new_tokens"
-    check_context(store.local_path(model), info, table, budget, field, STAGE)
+    check_context(store.metadata_path(model), info, table, budget, field, STAGE)
     score_cfg = verifier_config(cfg)
     check_score_config(score_cfg, has_reward_model=False)
     if cfg.engine == "vllm":
         from posttrain_core.rollout.vllm_env import check_vllm_model, vllm_options
 
-        check_vllm_model(store.local_path(model), "EvalConfig.engine='vllm'")
+        check_vllm_model(store.metadata_path(model), "EvalConfig.engine='vllm'")
         vllm_options(EngineSpec(cfg.engine, "float32", cfg.num_engines), "EvalConfig")
 
     def build(ctx: StageContext) -> StageOutput:

@@ -58,10 +58,13 @@ def main() -> None:
 
     alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
     task = ray.remote(num_cpus=0)(probe)
-    probes = [
-        ray.get(task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(sys.argv[3:]))
-        for node in [*alive, head]
-    ]
+    probes = []
+    for node in [*alive, head]:
+        where = NodeAffinitySchedulingStrategy(node, soft=False)
+        try:
+            probes.append(ray.get(task.options(scheduling_strategy=where).remote(sys.argv[3:]), timeout=60))
+        except Exception as err:  # a node lost during the run, not yet declared dead by Ray
+            probes.append({"node": node, "error": f"{type(err).__name__}: {err}"[:300], "cache": "", "cached": {}})
     store = ArtifactStore(cfg.store)
     artifacts = {
         ref.key: {"stage": m.get("stage"), "bytes": sum(f["size"] for f in m.get("files", []))}

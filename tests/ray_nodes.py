@@ -51,6 +51,24 @@ def _procs() -> list[tuple[int, str, str]]:
     return out
 
 
+def _descendants(root: int) -> set[int]:
+    """`root` and the processes below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
 @dataclass
 class TwoNodes:
     address: str
@@ -76,9 +94,10 @@ class TwoNodes:
         self.procs.append(self.worker)
 
     def worker_raylet(self) -> int:
-        """The pid of the worker node's raylet (a raylet in another mount namespace than this process's)."""
-        mine = _own_mount_ns()
-        found = [pid for pid, cmd, ns in _procs() if ns != mine and "/raylet " in cmd and WORKER_TMP in cmd]
+        """The pid of the running worker node's raylet (a descendant of its `ray start`)."""
+        assert self.worker is not None
+        ours = _descendants(self.worker.pid)
+        found = [pid for pid, cmd, _ in _procs() if pid in ours and "/raylet " in cmd]
         assert len(found) == 1, found
         return found[0]
 
@@ -125,9 +144,8 @@ def two_nodes(log_dir: Path, env: dict[str, str], head_cache: Path) -> Iterator[
     )  # fmt: skip
     nodes.procs.append(head)
     try:
-        wait_for_nodes(nodes, 1, head)
-        nodes.start_worker()
-        wait_for_nodes(nodes, 2, nodes.worker)
+        nodes.start_worker()  # it retries until the head's GCS answers
+        wait_for_nodes(nodes, 2, head)
         yield nodes
     finally:
         nodes.stop()

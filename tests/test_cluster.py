@@ -40,7 +40,10 @@ def _drive(nodes, cfg, work: Path, name: str, hidden: list[Path], kill_in_update
     """Run the flow from the head (`cluster_driver`); with `kill_in_update`, SIGKILL the worker node's raylet once
     that iteration's update has started. Returns the driver's result, with its log."""
     log, result = work / f"{name}.log", work / f"{name}.json"
-    env = {**nodes.env, "POSTTRAIN_CACHE_DIR": str(work / "driver-cache")}
+    from prefect.settings import PREFECT_API_URL
+
+    # The session's Prefect API (a flow process of its own would start a temporary server: ~10-20 s).
+    env = {**nodes.env, "POSTTRAIN_CACHE_DIR": str(work / "driver-cache"), "PREFECT_API_URL": PREFECT_API_URL.value()}
     cmd = [sys.executable, str(REPO / "tests" / "cluster_driver.py"), cfg.model_dump_json(), str(result),
            *map(str, hidden)]  # fmt: skip
     with log.open("w") as out:
@@ -64,7 +67,6 @@ def test_rlhf_flow_on_two_nodes_sharing_no_folder(prefect_api, ray_session, s3, 
     root = f"s3://{s3['bucket']}/{uuid.uuid4().hex}"
     env = {k: v for k, v in s3.items() if k != "bucket"} | {
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/cluster-mlflow.db",
-        "PREFECT_HOME": str(tmp_path / "cluster-prefect"),
         "POSTTRAIN_CODE_VERSION": "test-cluster",
     }
     # The flow machine's folders, all under /tmp: what the worker node must not see.

@@ -121,3 +121,25 @@ def test_a_lora_adapter_trained_on_one_node_loads_on_another(s3, tiny_inputs, tm
     assert (node_b.cache_root / base.key / "config.json").exists()  # fetched with the adapter
     assert check_model_path(folder)["is_adapter"]
     assert load_causal_lm(str(folder)).peft_config["default"].r == 4
+
+
+def test_checks_on_the_flow_machine_read_a_metadata_view_not_the_weights(s3, tmp_path):
+    from posttrain_core.artifacts import ArtifactStore
+    from posttrain_core.models.loading import check_model_path
+
+    root = f"s3://{s3['bucket']}/{uuid.uuid4().hex}"
+    src = tmp_path / "model"
+    (src / "critic").mkdir(parents=True)
+    (src / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 64, "vocab_size": 10}')
+    (src / "model.safetensors").write_bytes(b"w" * 4096)
+    (src / "trainer_state.pt").write_bytes(b"s" * 8192)
+    (src / "critic" / "config.json").write_text("{}")
+    store = ArtifactStore(root, workdir=tmp_path / "flow")
+    ref = store.publish("d" * 64, "model", src, {"stage": "rl_update"})
+
+    view = store.metadata_path(ref)
+    assert check_model_path(view)["max_position_embeddings"] == 64 and (view / "critic" / "config.json").exists()
+    assert (view / "trainer_state.pt").stat().st_size == 0 and (view / "model.safetensors").stat().st_size == 0
+    assert not (store.cache_root / ref.key).exists()  # nothing heavy downloaded
+    full = store.local_path(ref)
+    assert (full / "model.safetensors").stat().st_size == 4096 and store.metadata_path(ref) == full

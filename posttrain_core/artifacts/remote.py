@@ -185,6 +185,51 @@ def download(store: ArtifactStore, ref: ArtifactRef) -> Path:
     return dest
 
 
+# Files a check never reads (weights, optimizer state), left out of a metadata view as empty placeholders.
+HEAVY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npy")
+VIEWS_KEPT = 16
+
+
+def metadata_view(store: ArtifactStore, ref: ArtifactRef) -> Path:
+    """A local folder with a remote artifact's small files (configs, tokenizer, manifest) and its heavy ones
+    (`HEAVY_SUFFIXES`) as empty placeholders: what the checks on the flow's machine read (a model folder's shape, its
+    tokenizer, which files it has), without downloading weights and optimizer state every RL iteration. The full
+    copy when this machine already has one. The newest `VIEWS_KEPT` views are kept."""
+    full = store.cache_root / ref.key
+    cached = read_manifest(None, str(full))
+    if cached is not None and cached.get("digest") == ref.digest:
+        return full
+    views = store.cache_root.parent / "views"
+    view = views / ref.key
+    if read_manifest(None, str(view)) is None:
+        fs, folder = locate(store, ref.uri)
+        assert fs is not None
+        manifest = read_manifest(fs, folder)
+        if manifest is None or manifest.get("digest") != ref.digest:
+            raise FileNotFoundError(f"artifact {ref.key}: no manifest with digest {ref.digest} at {ref.uri}")
+        tmp = views / f"{TMP_PREFIX}{ref.key}-{uuid.uuid4().hex}"
+        try:
+            for entry in manifest.get("files", []):
+                local = tmp / entry["path"]
+                local.parent.mkdir(parents=True, exist_ok=True)
+                if entry["path"].endswith(HEAVY_SUFFIXES):
+                    local.touch()
+                else:
+                    fs.get_file(f"{folder}/{entry['path']}", str(local))
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / MANIFEST).write_text(json.dumps(manifest))
+            shutil.rmtree(view, ignore_errors=True)
+            os.rename(tmp, view)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    os.utime(view)
+    for old in sorted(views.iterdir(), key=lambda p: p.stat().st_mtime)[:-VIEWS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    fetch_adapter_base(store, view)
+    return view
+
+
 def fetch_adapter_base(store: ArtifactStore, folder: Path) -> None:
     """An adapter records its base model by the path it had where it was trained. When that path is not on this
     node and names a store artifact (a key), download the base into this node's cache, beside the adapter, where

@@ -247,6 +247,14 @@ class ArtifactStore:
         remote.fetch_adapter_base(self, path)
         return path
 
+    def metadata_path(self, ref: ArtifactRef) -> Path:
+        """A local folder to *check* an artifact by (its configs, tokenizer and file list), never to load weights
+        from: `local_path` for a local store; for a remote one its small files, the weights and optimizer state
+        as empty placeholders (`remote.metadata_view`), or the full copy when this machine has it."""
+        if local_path_of(ref.uri) is not None:
+            return self.local_path(ref)
+        return remote.metadata_view(self, ref)
+
     # ----------------------------------------------------------------------------------------------- staging
     def staging_dir(self, key: str) -> Path:
         """A deterministic local folder for `key` that persists across attempts of a stage (created if missing).

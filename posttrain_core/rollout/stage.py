@@ -85,7 +85,7 @@ def check_rollout_inputs(
         )
     if policy.kind != "model":
         raise ValueError(f"{STAGE}: input 'policy' must be a model, got a {policy.kind} at {policy.uri}")
-    policy_path = store.local_path(policy)
+    policy_path = store.metadata_path(policy)  # checks only: no weights downloaded for them
     info = check_model_path(policy_path)
     table = select_prompts(cfg, prompts, store, STAGE)
     budget = check_tools(cfg.tools, cfg.max_tokens, "RolloutConfig.tools")
@@ -232,7 +232,7 @@ def prefetch_rollout(
     """
     from posttrain_core.models.loading import check_model_path
 
-    if cfg.engine != "hf" or check_model_path(store.local_path(serving))["is_adapter"]:
+    if cfg.engine != "hf" or check_model_path(store.metadata_path(serving))["is_adapter"]:
         return False
     batches = engine_batches(select_prompts(cfg, prompts, store, STAGE), cfg.batch_size, cfg.num_engines)
     pool = EnginePool(warm, EngineSpec.of(cfg))

@@ -107,7 +107,7 @@ def run_teacher_logprobs(
                          f"{rollouts.uri}")  # fmt: skip
     if teacher.kind != "model":
         raise ValueError(f"{STAGE}: the teacher must be a model, got a {teacher.kind} at {teacher.uri}")
-    teacher_path = str(store.local_path(teacher))
+    teacher_path = str(store.metadata_path(teacher))  # checks only
     check_model_path(teacher_path)
     if scoring.engine == "vllm":
         from posttrain_core.rollout.vllm_env import check_vllm_model, vllm_options

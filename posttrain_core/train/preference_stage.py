@@ -38,7 +38,7 @@ def validate_preference_inputs(
     for name, ref in models.items():
         if ref.kind != "model":
             raise ValueError(f"{stage}: input '{name}' must be a model artifact, got a {ref.kind} ({ref.uri})")
-        path = store.local_path(ref)
+        path = store.metadata_path(ref)
         info = infos[name] = check_model_path(path)
         ctx = info.get("max_position_embeddings")
         if ctx and cfg.max_seq_len > ctx:

@@ -141,7 +141,7 @@ def check_rl_inputs(
             raise ValueError(f"{STAGE}: inputs must be 'scored_rollouts' datasets, got {ref.schema_kind} at {ref.uri}")
     if policy.kind != "model":
         raise ValueError(f"{STAGE}: policy must be a model, got a {policy.kind} at {policy.uri}")
-    check_model_path(store.local_path(policy))
+    check_model_path(store.metadata_path(policy))  # checks only: the ranks fetch the weights they need
     if rcfg.distill is not None:
         try:
             ADVANTAGES[rcfg.distill.task_advantage]
@@ -167,7 +167,7 @@ def critic_source(store: ArtifactStore, ref: ArtifactRef | None) -> NodePath | N
     """The critic folder inside an update or value-pretraining artifact (None if it has none)."""
     if ref is None:
         return None
-    path = Path(store.local_path(ref)) / CRITIC_DIR
+    path = Path(store.metadata_path(ref)) / CRITIC_DIR
     return node_path(store, ref, CRITIC_DIR) if path.exists() else None
 
 
@@ -213,7 +213,7 @@ def run_rl_update(
     def build(ctx: StageContext) -> StageOutput:
         batch, data_metrics = load_batch(store, scored, policy, rcfg, STAGE, teacher, sampler)
         policy_path = node_path(store, policy)
-        state = Path(store.local_path(policy)) / STATE_FILE
+        state = Path(store.metadata_path(policy)) / STATE_FILE
         prev = store.manifest(policy) if not policy.external else {}
         kl_coef = float(prev.get("next_kl_coef", rcfg.kl_coef))
         critic_path = (critic_source(store, critic) or policy_path) if rcfg.uses_critic else None

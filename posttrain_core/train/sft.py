@@ -34,7 +34,7 @@ def validate_inputs(
     want = "text" if objective == "pretrain" else "sft"
     if data.kind != "dataset" or data.schema_kind != want:
         raise ValueError(f"{objective}: input data must be a '{want}' dataset, got {data.kind}/{data.schema_kind}")
-    info = check_model_path(store.local_path(base) if store is not None else base.uri)
+    info = check_model_path(store.metadata_path(base) if store is not None else base.uri)
     ctx = info.get("max_position_embeddings")
     if ctx and cfg.max_seq_len > ctx:
         raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's context ({ctx}) at {base.uri}")
