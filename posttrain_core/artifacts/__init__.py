@@ -10,10 +10,14 @@ Layout under the store root (a local folder or any fsspec URI):
                                                  leftover of a crashed delete (`sweep()`)
     tombstones/{key}                             how many times `key` was deleted (`generation()`); absent: never
     staging/{key}/                               local stores only: per-key working folder that survives retries
+    checkpoints/{key}/                           remote stores only: the in-stage checkpoints of a stage being built
+                                                 by Ray workers on any node (`node.Outbox`), removed at its publish
 
 Modules, each with one job: `ref` (the ref type, constants, key rules), `keys` (stage keys, code version), `digest`
 (content digests, external fingerprints), `fsio` (fsync, writeback, moves), `manifest` (manifest.json), `store`
-(`ArtifactStore`, the public API) over `local` (atomic rename) and `remote` (fsspec), and `gc` (what to delete).
+(`ArtifactStore`, the public API) over `local` (atomic rename) and `remote` (fsspec), `gc` (what to delete), `cache`
+(a machine's copies of a remote store's artifacts) and `node` (artifacts as a Ray worker reads and writes them on
+whichever node it runs).
 """
 
 from posttrain_core.artifacts.digest import DIGEST_PREFIX, content_digest
