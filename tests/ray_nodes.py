@@ -97,7 +97,7 @@ class TwoNodes:
         """The pid of the running worker node's raylet (a descendant of its `ray start`)."""
         assert self.worker is not None
         ours = _descendants(self.worker.pid)
-        found = [pid for pid, cmd, _ in _procs() if pid in ours and "/raylet " in cmd]
+        found = [pid for pid, cmd, _ in _procs() if pid in ours and cmd.split(" ", 1)[0].endswith("/raylet")]
         assert len(found) == 1, found
         return found[0]
 

@@ -84,7 +84,7 @@ def test_a_worker_on_another_node_publishes_and_checkpoints_through_the_store(s3
     Path(b.outdir).mkdir(parents=True)
     (Path(b.outdir) / "model.bin").write_bytes(b"weights")
     uploaded = job.outbox.ship(b.outdir)
-    assert not Path(b.outdir).exists() and driver.get(key_out) is None  # uploaded, not yet an artifact
+    assert not Path(b.workdir).exists() and driver.get(key_out) is None  # uploaded, not yet an artifact
 
     out = driver.publish(key_out, "model", uploaded, {"stage": "test"})
     assert driver.get(key_out) == out and (driver.local_path(out) / "model.bin").read_bytes() == b"weights"

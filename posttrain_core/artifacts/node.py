@@ -75,12 +75,15 @@ class Outbox:
         return self.workdir() / "out"
 
     def ship(self, folder: str | os.PathLike) -> Any:
-        """Upload the output folder into a temp folder of the store and remove it here; returns the
-        `remote.Uploaded` the driver publishes (`ArtifactStore.publish`)."""
+        """Upload the output folder into a temp folder of the store and remove this node's staging of the stage;
+        returns the `remote.Uploaded` the driver publishes (`ArtifactStore.publish`)."""
         from posttrain_core.artifacts import remote
 
         up = remote.upload(node_store(self.root), self.key, Path(folder))
+        # This node's staging for the stage (the output, rank 0's local checkpoints) is done with: a retry resumes
+        # from the store's checkpoints, which the driver removes once it has published.
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(self.workdir(), ignore_errors=True)
         log.info("uploaded the output of %s (%d files) to %s", self.key[:12], len(up.files), up.tmp)
         return up
 
