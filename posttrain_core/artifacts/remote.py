@@ -147,22 +147,11 @@ def download(store: ArtifactStore, ref: ArtifactRef) -> Path:
     if cached is not None and cached.get("digest") == ref.digest:
         cache.touch(dest)
         return dest
-    fs, folder = locate(store, ref.uri)
-    assert fs is not None  # local URIs never reach download
-    manifest = read_manifest(fs, folder)
-    if manifest is None:
-        raise FileNotFoundError(f"artifact {ref.key}: no readable {MANIFEST} at {ref.uri}")
-    if manifest.get("digest") != ref.digest:
-        raise ValueError(f"artifact {ref.key}: {ref.uri} holds digest {manifest.get('digest')}, the ref {ref.digest}")
+    fs, folder, manifest = _remote_manifest(store, ref)
     store.cache_root.mkdir(parents=True, exist_ok=True)
     tmp = store.cache_root / f"{TMP_PREFIX}{ref.key}-{uuid.uuid4().hex}"
     try:
-        for entry in manifest.get("files", []):
-            local = tmp / entry["path"]
-            local.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(f"{folder}/{entry['path']}", str(local))
-        if not tmp.is_dir():
-            tmp.mkdir()
+        _get_files(fs, folder, manifest, tmp)
         got = content_digest(tmp, like=ref.digest)
         if got != ref.digest:
             raise ValueError(
@@ -185,6 +174,35 @@ def download(store: ArtifactStore, ref: ArtifactRef) -> Path:
     return dest
 
 
+def _remote_manifest(store: ArtifactStore, ref: ArtifactRef) -> tuple[fsspec.AbstractFileSystem, str, dict]:
+    """(filesystem, folder, manifest) of a remote artifact whose manifest holds the ref's digest.
+
+    Raises:
+        FileNotFoundError: no readable manifest at the ref's URI.
+        ValueError: the manifest holds another digest.
+    """
+    fs, folder = locate(store, ref.uri)
+    assert fs is not None  # local URIs never get here
+    manifest = read_manifest(fs, folder)
+    if manifest is None:
+        raise FileNotFoundError(f"artifact {ref.key}: no readable {MANIFEST} at {ref.uri}")
+    if manifest.get("digest") != ref.digest:
+        raise ValueError(f"artifact {ref.key}: {ref.uri} holds digest {manifest.get('digest')}, the ref {ref.digest}")
+    return fs, folder, manifest
+
+
+def _get_files(fs: fsspec.AbstractFileSystem, folder: str, manifest: dict, dest: Path, skip: tuple[str, ...] = ()):
+    """Download the files `manifest` lists into `dest` (created); those ending in `skip` become empty placeholders."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in manifest.get("files", []):
+        local = dest / entry["path"]
+        local.parent.mkdir(parents=True, exist_ok=True)
+        if skip and entry["path"].endswith(skip):
+            local.touch()
+        else:
+            fs.get_file(f"{folder}/{entry['path']}", str(local))
+
+
 # Files a check never reads (weights, optimizer state), left out of a metadata view as empty placeholders.
 HEAVY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npy")
 VIEWS_KEPT = 16
@@ -202,21 +220,10 @@ def metadata_view(store: ArtifactStore, ref: ArtifactRef) -> Path:
     views = store.cache_root.parent / "views"
     view = views / ref.key
     if read_manifest(None, str(view)) is None:
-        fs, folder = locate(store, ref.uri)
-        assert fs is not None
-        manifest = read_manifest(fs, folder)
-        if manifest is None or manifest.get("digest") != ref.digest:
-            raise FileNotFoundError(f"artifact {ref.key}: no manifest with digest {ref.digest} at {ref.uri}")
+        fs, folder, manifest = _remote_manifest(store, ref)
         tmp = views / f"{TMP_PREFIX}{ref.key}-{uuid.uuid4().hex}"
         try:
-            for entry in manifest.get("files", []):
-                local = tmp / entry["path"]
-                local.parent.mkdir(parents=True, exist_ok=True)
-                if entry["path"].endswith(HEAVY_SUFFIXES):
-                    local.touch()
-                else:
-                    fs.get_file(f"{folder}/{entry['path']}", str(local))
-            tmp.mkdir(parents=True, exist_ok=True)
+            _get_files(fs, folder, manifest, tmp, skip=HEAVY_SUFFIXES)
             (tmp / MANIFEST).write_text(json.dumps(manifest))
             shutil.rmtree(view, ignore_errors=True)
             os.rename(tmp, view)
