@@ -9,11 +9,12 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from posttrain_core.artifacts import KINDS, ArtifactRef, ArtifactStore
 from posttrain_core.artifacts.gc import created, plan_gc, run_gc
+from posttrain_core.artifacts.manifest import content_bytes
 
 DESCRIPTION = "`posttrain` command: what the Prefect CLI does not do (inspect and prune the artifact store)."
 USAGE = """\
@@ -50,10 +51,6 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _size(manifest: Mapping[str, Any]) -> int:
-    return sum(int(f.get("size", 0)) for f in manifest.get("files") or [])
-
-
 def _find(store: ArtifactStore, prefix: str) -> ArtifactRef:
     matches = [r for r in store.list() if r.key.startswith(prefix)]
     if len(matches) == 1:
@@ -80,9 +77,9 @@ def cmd_ls(store: ArtifactStore, kind: str | None, stage: str | None) -> None:
     for when, ref, m in rows:
         print(
             f"{ref.key[:12]:12s}  {ref.kind:7s}  {(ref.schema_kind or '-'):15s}  {str(m.get('stage', '-')):{width}s}  "
-            f"{_human(_size(m)):>10s}  {when[:19].replace('T', ' '):19s}  {ref.uri}"
+            f"{_human(content_bytes(m)):>10s}  {when[:19].replace('T', ' '):19s}  {ref.uri}"
         )
-    total = sum(_size(m) for _, _, m in rows)
+    total = sum(content_bytes(m) for _, _, m in rows)
     print(f"{len(rows)} artifacts, {_human(total)}", file=sys.stderr)
 
 
@@ -104,10 +101,10 @@ def cmd_gc(store: ArtifactStore, keep_last: int, stage: str | None, dry_run: boo
             skipped += 1
             print(f"skip    {step.key[:12]}  {m.get('stage', '-')}: {step.skipped}")
             continue
-        line = f"{step.key[:12]}  {m.get('stage', '-')}  {created(m)[:19].replace('T', ' ')}  {_human(_size(m))}"
+        line = f"{step.key[:12]}  {m.get('stage', '-')}  {created(m)[:19].replace('T', ' ')}  {_human(content_bytes(m))}"
         print(f"would delete  {line}" if dry_run else f"deleted {line}")
         deleted += 1
-        freed += _size(m)
+        freed += content_bytes(m)
     verb = "would delete" if dry_run else "deleted"
     print(
         f"{verb} {deleted} artifacts ({_human(freed)}); kept {len(plan.kept)}"

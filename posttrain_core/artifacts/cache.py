@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from posttrain_core.artifacts.manifest import content_bytes
 from posttrain_core.artifacts.ref import MANIFEST, TMP_PREFIX, check_key
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def touch(copy: Path) -> None:
 
 def _size(manifest: Path) -> int:
     """A copy's bytes, as its manifest lists them (no walk over its files)."""
-    return sum(int(f.get("size", 0)) for f in json.loads(manifest.read_text()).get("files", []))
+    return content_bytes(json.loads(manifest.read_text()))
 
 
 @dataclass

@@ -32,6 +32,11 @@ def describe(folder: Path) -> tuple[list[dict[str, Any]], str]:
     return files, content_digest(folder)
 
 
+def content_bytes(manifest: Mapping[str, Any]) -> int:
+    """An artifact's content size in bytes, as its manifest's `files` list it."""
+    return sum(int(f.get("size", 0)) for f in manifest.get("files") or [])
+
+
 def manifest_bytes(key: str, kind: str, schema_kind: str | None, folder: Path, extra: Mapping) -> bytes:
     """The manifest.json of the content in `folder` (digested here) with the stage's `extra` fields."""
     return manifest_of(key, kind, schema_kind, *describe(folder), extra)
