@@ -3,6 +3,7 @@
     python -m bench.rl_bench                              # SFT demo model (built or cached), every algorithm
     python -m bench.rl_bench --algorithms grpo,ppo --iterations 10
     python -m bench.rl_bench --model PATH                 # start from an existing checkpoint instead of the SFT demo
+    python -m bench.rl_bench --algorithms grpo,prime --seeds 0,1 --prm-lr 1e-4   # PRIME against GRPO, two seeds
 
 Every algorithm runs the real `rlhf_flow` (ephemeral Prefect, local Ray, 2 update workers, hf rollout engine) from
 the same starting policy, on the same prompts (the synthetic training prompts, arithmetic and letter reversal, the
@@ -27,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ALGORITHMS = ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo")
+ALGORITHMS = ("grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo", "prime")
 FAMILIES = ("arithmetic", "reverse")
 PARTS = ("generate_s", "score_s", "train_s", "startup_s", "orchestration_s")
 
@@ -40,14 +41,16 @@ def sft_model(store: str) -> str:
     return sft_flow(SFTFlowConfig(store=store))["model"].uri
 
 
-def run_algorithm(args, algorithm: str, start: str) -> dict:
+def run_algorithm(args, algorithm: str, start: str, seed: int = 0) -> dict:
     from flows.rlhf import rlhf_flow
     from posttrain_core.config import RLHFFlowConfig
 
     rl = {
         "algorithm": algorithm, "lr": args.lr, "critic_lr": args.critic_lr, "num_workers": args.workers,
-        "mini_batches": args.mini_batches, "ppo_epochs": args.epochs,
+        "mini_batches": args.mini_batches, "ppo_epochs": args.epochs, "seed": seed,
     }  # fmt: skip
+    if algorithm == "prime":  # the same rollout budget as the others: the band reorders, it drops nothing (f = 1)
+        rl["prime"] = {"lr": args.prm_lr} if args.prm_lr else {}
     families = args.families.split(",") if args.families else []
     cfg = RLHFFlowConfig(
         store=args.store,
@@ -55,8 +58,15 @@ def run_algorithm(args, algorithm: str, start: str) -> dict:
         pretrain=None,
         sft=None,
         iterations=args.iterations,
-        rollout={"n": args.n, "max_prompts": args.prompts, "max_tokens": args.max_tokens, "families": families},
+        rollout={
+            "n": args.n,
+            "max_prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "families": families,
+            "seed": seed,
+        },
         rl=rl,
+        eval_every=args.eval_every,
     )
     t0 = time.time()
     result = rlhf_flow(cfg)
@@ -90,6 +100,9 @@ def report(results: dict[str, dict], args) -> str:
             f"{fam['reverse'][1]:.3f} {r['curve'][0]['reward_mean']:>5.3f} -> {r['curve'][-1]['reward_mean']:.3f} "
             f"{r['wall_s']:>7.0f}"
         )
+    lines += ["", "1b. held-out sampled accuracy (pass@1) per evaluated iteration (--eval-every)"]
+    for name, r in results.items():
+        lines.append(f"{name:<22} " + " ".join(f"{k}:{e['sampled_pass@1']:.3f}" for k, e in sorted(r["eval"].items())))
     lines += ["", "2. reward curve (sample reward mean per iteration)"]
     for name, r in results.items():
         lines.append(f"{name:<22} " + " ".join(f"{row['reward_mean']:.3f}" for row in r["curve"]))
@@ -118,6 +131,9 @@ def main() -> None:
     p.add_argument("--mini-batches", type=int, default=None, help="optimizer steps per epoch (default: RLConfig's)")
     p.add_argument("--epochs", type=int, default=None, help="passes over each iteration's batch (default: RLConfig's)")
     p.add_argument("--families", default="", help="task families to train on, comma-separated ('' = all)")
+    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every k iterations (0: start and end)")
+    p.add_argument("--seeds", default="0", help="seeds (rollout and update), comma-separated: a run per algorithm each")
+    p.add_argument("--prm-lr", type=float, default=None, help="prime: the PRM's learning rate (default: PrimeConfig's)")
     p.add_argument("--model", default=None, help="start policy (default: the SFT demo model, built in --store)")
     p.add_argument("--store", default=None, help="artifact store (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the raw results here")
@@ -132,9 +148,11 @@ def main() -> None:
     args.store = args.store or tempfile.mkdtemp(prefix="posttrain-rl-bench-")
     start = args.model or sft_model(args.store)
     results = {}
+    seeds = [int(x) for x in args.seeds.split(",")]
     for name in args.algorithms.split(","):
-        results[name] = run_algorithm(args, name, start)
-        print(report(results, args), flush=True)
+        for seed in seeds:
+            results[name if len(seeds) == 1 else f"{name} s{seed}"] = run_algorithm(args, name, start, seed)
+            print(report(results, args), flush=True)
     if args.json:
         keep = ("curve", "timings", "accuracy", "eval", "wall_s")
         Path(args.json).write_text(json.dumps({k: {f: v[f] for f in keep} for k, v in results.items()}, indent=1))

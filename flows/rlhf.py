@@ -28,7 +28,7 @@ from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 from tasks.models import build_model
 from tasks.preference import reward_model
-from tasks.rl import rl_update, value_pretrain
+from tasks.rl import prm_update, process_rewards, rl_update, value_pretrain
 from tasks.rollout import rollout, score, teacher_logprobs
 from tasks.train import pretrain, sft
 
@@ -57,7 +57,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         rm = reward_model(config.reward_model, data.preferences, start, root, pid) if config.reward_model else None
         evals = {0: _evaluate(config, data.eval, start, 0, root, pid, w)}
 
-        policy, critic, policies = start, None, [start]
+        policy, critic, policies, prm = start, None, [start], start  # PRIME's PRM starts as the start policy
         if rl.uses_critic and rl.value_pretrain_steps:
             samples = rollout(iteration_rollout(config.rollout, 0), data.prompts, start, 0, root, pid, w)
             critic = value_pretrain(config.rl, score(score_cfg, samples, rm, 0, root, pid), start, root, pid, w)
@@ -71,10 +71,13 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             if k < config.iterations and (rl.distill is None or rl.distill.student_samples(k + 1, rl.seed)):
                 nxt = NextRollout(rollout=_next_window(config, k), prompts=data.prompts)
             by = sampler if sampler is not policy else None
-            policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid, w, nxt, scores, by)
+            process, prm_metrics = None, {}
+            if rl.prime is not None:
+                prm, process, prm_metrics = _prime(config, store, scored, policy, prm, start, k, pid, w)
+            policy = rl_update(config.rl, scored, policy, start, critic, k, root, pid, w, nxt, scores, by, process)
             critic = policy if rl.uses_critic else None
             policies.append(policy)
-            metrics = store.manifest(policy)["metrics"]
+            metrics = store.manifest(policy)["metrics"] | prm_metrics
             run.log_metrics({f"rl/{name}": value for name, value in metrics.items()}, step=k)
             sampled_metrics = store.manifest(samples[-1])["metrics"] if config.rollout.tools else None
             if sampled_metrics:
@@ -82,7 +85,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             curve.append(reports.curve_row(k, metrics, sampled_metrics))
             timings.append(reports.iteration_timing(store, k, started, samples, scored, policy))
             if config.eval_every and k % config.eval_every == 0 and k < config.iterations:
-                evals[k] = _evaluate(config, data.eval, policy, k, root, pid, w, sampled=False)
+                evals[k] = _evaluate(config, data.eval, policy, k, root, pid, w)
         evals[config.iterations] = _evaluate(config, data.eval, policy, config.iterations, root, pid, w)
 
         last = config.iterations
@@ -102,6 +105,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         "policy": policy,
         "start": start,
         "policies": policies,  # the start, then each iteration's
+        "prm": prm if rl.prime is not None else None,  # PRIME's implicit PRM after the last iteration
         "curve": curve,
         "timings": timings,
         "accuracy": accuracy,
@@ -120,15 +124,28 @@ def _sample_and_score(config: RLHFFlowConfig, store, prompts, policy, rm, k: int
     gen_batches = rl.max_gen_batches if rl.dynamic_sampling else 1
     samples, scored, counts = [], [], []
     for j in range(gen_batches):
-        samples.append(
-            rollout(iteration_rollout(config.rollout, k, j, gen_batches), prompts, policy, k, root, pid, warm)
-        )
+        window = iteration_rollout(config.rollout, k, j, gen_batches, rl.oversample_factor)
+        samples.append(rollout(window, prompts, policy, k, root, pid, warm))
         scored.append(score(score_cfg, samples[-1], rm, k, root, pid))
         if rl.dynamic_sampling:
             counts.append(informative_groups(store, scored[-1]))
             if check_dynamic_sampling(counts, config.rollout.max_prompts, rl.max_gen_batches):
                 break
     return samples, scored
+
+
+def _prime(config: RLHFFlowConfig, store, scored, policy, prm, start, k: int, pid: str, warm: WarmGroup):
+    """PRIME's iteration k: the PRM update (before or after it scores the batch, or none) and the process rewards.
+    Returns (the PRM now, the process rewards, the PRM's metrics for the iteration's row and MLflow)."""
+    root, mode = str(store.root), config.rl.resolved().prime.update
+    before = prm
+    if mode == "before":
+        prm = prm_update(config.rl, scored, policy, prm, start, k, root, pid, warm)
+    process = process_rewards(config.rl, scored, policy, prm, start, k, root, pid, warm)
+    if mode == "after":
+        prm = prm_update(config.rl, scored, policy, before, start, k, root, pid, warm)
+    metrics = store.manifest(prm)["metrics"] if prm is not before else {}
+    return prm, process, {k_: v for k_, v in metrics.items() if k_.startswith("prm_")}
 
 
 def _teacher(config: RLHFFlowConfig, store: ArtifactStore, student: ArtifactRef, corpus, pid: str) -> ArtifactRef:
@@ -143,7 +160,8 @@ def _teacher(config: RLHFFlowConfig, store: ArtifactStore, student: ArtifactRef,
 
 def _next_window(config: RLHFFlowConfig, k: int):
     rl = config.rl.resolved()
-    return iteration_rollout(config.rollout, k + 1, 0, rl.max_gen_batches if rl.dynamic_sampling else 1)
+    gen_batches = rl.max_gen_batches if rl.dynamic_sampling else 1
+    return iteration_rollout(config.rollout, k + 1, 0, gen_batches, rl.oversample_factor)
 
 
 def greedy_eval_config(config: RLHFFlowConfig) -> EvalConfig:

@@ -413,12 +413,33 @@ class DistillConfig(_Config):
         return self.lmbda >= 1.0 or random.Random(seed * 1_000_003 + iteration).random() < self.lmbda
 
 
+class PrimeConfig(_Config):
+    """PRIME's implicit process reward model (docs/algorithms.md, PRIME): a causal LM started from the start policy,
+    scored against the frozen start model, trained online on the verifier's outcomes. Defaults: the reference
+    recipe's."""
+
+    beta: float = Field(0.05, gt=0, description="r_t = beta (log pi_prm(y_t) - log pi_ref(y_t)); the CE's logit scale")
+    lr: float = Field(1e-6, gt=0, description="PRM learning rate (AdamW, constant, no weight decay)")
+    grad_clip: float = Field(10.0, ge=0, description="PRM gradient clipping (0 = off)")
+    reward_gt_coef: float = Field(5.0, ge=0, description="weight of the outcome's RLOO advantage")
+    reward_dpo_coef: float = Field(5.0, ge=0, description="weight of the process rewards' RLOO advantage")
+    granularity: Literal["token"] = Field("token", description="process rewards per token (the recipe's only one)")
+    norm: Literal["batch_norm", "none"] = Field(
+        "batch_norm", description="batch_norm: divide the process rewards by the batch's largest |return|"
+    )
+    update: Literal["before", "after", "none"] = Field(
+        "before",
+        description="before: update the PRM on the batch, then score it; after: score with the PRM as it was, then "
+        "update; none: never update (the start model's credit)",
+    )  # fmt: skip
+
+
 VLLM_MAX_TOPK = 64  # the vLLM engine's max_logprobs (`vllm_engine.MAX_TOPK`)
 _SCORING_FIELDS = ("topk", "engine", "num_engines", "batch_size", "dtype", "vllm_python")
 
 Algorithm = Literal[
     "ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "vapo", "gspo", "cispo",
-    "opd", "gkd",
+    "opd", "gkd", "prime",
 ]  # fmt: skip
 AggMode = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -455,6 +476,9 @@ RL_PRESETS: dict[str, dict] = {
     # GKD: the supervised divergence alone (no advantage), on the student's samples (distill.lmbda, seq_kd)
     "gkd": dict(advantage="none", critic=False, loss_agg="token-mean", **_CLIP,
                 kl_placement="none", kl_estimator="k3", kl_coef=0.0),
+    # PRIME: RLOO on the outcome and on the implicit PRM's process rewards, PPO's clip; no KL (as the recipe runs)
+    "prime": dict(advantage="prime", critic=False, loss_agg="token-mean", **_CLIP,
+                  kl_placement="none", kl_estimator="k3", kl_coef=0.0, accuracy_band=(0.2, 0.8)),
 }  # fmt: skip
 DISTILL_ALGORITHMS = ("opd", "gkd")
 TOPK_DIVERGENCES = ("jsd", "forward_kl", "reverse_kl")
@@ -519,6 +543,15 @@ class RLConfig(_Config):
         None, description="drop groups whose rewards are all equal and sample more (DAPO; empty: preset)"
     )
     max_gen_batches: int = Field(3, ge=1, description="dynamic sampling: generation batches before giving up")
+    accuracy_band: tuple[float, float] | None = Field(
+        None,
+        description="train on prompts whose group accuracy lies in [low, high] first: of the rollout's prompts "
+        "(max_prompts x oversample_factor) the update keeps 1 / oversample_factor, those in the band first "
+        "(empty: preset; prime: (0.2, 0.8))",
+    )  # fmt: skip
+    oversample_factor: int = Field(
+        1, ge=1, description="accuracy band: the rollout samples this many times rollout.max_prompts prompts"
+    )
     value_pretrain_steps: int | None = Field(
         None, ge=0, description="critic steps on the initial policy's samples before RL (VAPO; empty: preset)"
     )
@@ -535,6 +568,9 @@ class RLConfig(_Config):
     )
     distill: DistillConfig | None = Field(
         None, description="a teacher to learn from (opd, gkd; or any algorithm with distill.loss_coef > 0)"
+    )
+    prime: PrimeConfig | None = Field(
+        None, description="PRIME's implicit process reward model (empty: its defaults with algorithm='prime')"
     )
 
     def preset(self, name: str):
@@ -558,6 +594,10 @@ class RLConfig(_Config):
         if self.distill is not None and self.distill.loss_coef is None:
             coef = 1.0 if self.algorithm == "gkd" else 0.0
             update["distill"] = self.distill.model_copy(update={"loss_coef": coef})
+        if self.prime is None and update.get("advantage", self.advantage) == "prime":
+            update["prime"] = PrimeConfig()
+        if self.accuracy_band is None and self.preset("accuracy_band") is not None:
+            update["accuracy_band"] = self.preset("accuracy_band")
         if self.distill is not None and is_reference(self.distill.divergence):
             d = update.get("distill", self.distill)
             update["distill"] = d.model_copy(update={"divergence": absolute(d.divergence)})
@@ -599,6 +639,17 @@ class RLConfig(_Config):
                 f"rl.distill.divergence='{self.distill.divergence}' compares distributions on the teacher's top-k "
                 "tokens: set rl.distill.topk > 0"
             )
+        band = self.accuracy_band or self.preset("accuracy_band")
+        if band is not None and not 0.0 <= band[0] <= band[1] <= 1.0:
+            raise ValueError(f"rl.accuracy_band={tuple(band)}: want 0 <= low <= high <= 1")
+        if band is not None and (self.dynamic_sampling or self.preset("dynamic_sampling")):
+            raise ValueError("rl.accuracy_band and rl.dynamic_sampling both choose the prompts to train on: set one")
+        if self.oversample_factor > 1 and band is None:
+            raise ValueError(
+                "rl.oversample_factor > 1 samples extra prompts for rl.accuracy_band to choose from: set it"
+            )
+        if self.prime is not None and (self.advantage or self.preset("advantage")) != "prime":
+            raise ValueError("rl.prime is set, but the advantage is not 'prime': use algorithm='prime'")
         if self.uses_critic and (self.advantage or self.preset("advantage")) not in ("gae", "vapo"):
             if not is_reference(self.advantage or ""):
                 raise ValueError(
@@ -634,7 +685,9 @@ class RLHFFlowConfig(_Config):
     score: ScoreConfig = Field(default_factory=ScoreConfig, description="rewards")
     rl: RLConfig = Field(default_factory=RLConfig, description="the RL update")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation before and after RL")
-    eval_every: int = Field(0, ge=0, description="also evaluate every k iterations (0 = only before and after)")
+    eval_every: int = Field(
+        0, ge=0, description="also evaluate every k iterations, greedy and sampled (0 = only before and after)"
+    )
     eval_samples: int = Field(
         8,
         ge=0,

@@ -18,12 +18,19 @@ TOOL_COLUMNS = ("turns_mean", "tool_calls_per_sample", "tool_error_rate", "tool_
 DISTILL_COLUMNS = ("teacher_kl", "distill_loss", "teacher_mass", "student_mass", "topk_overlap")
 
 
+# PRIME: the implicit PRM's ranking accuracy before and after its update, its loss, and the batch the band kept
+PRIME_COLUMNS = ("prm_acc_before", "prm_acc_after", "prm_ce_loss", "process_reward_abs_mean", "band_kept",
+                 "band_passing")  # fmt: skip
+
+
 def curve_row(iteration: int, metrics: dict[str, float], rollout: dict[str, float] | None = None) -> dict[str, Any]:
     """One iteration's row of the curve table (missing metrics are None); with a multi-turn rollout's metrics, its
-    tool columns and tool-call rate per family too; with a teacher, the distillation columns."""
+    tool columns and tool-call rate per family too; with a teacher, the distillation columns; with PRIME, the PRM's."""
     row = {"iteration": iteration, **{k: metrics.get(k) for k in CURVE_COLUMNS[1:]}}
     if "teacher_kl" in metrics:
         row |= {k: metrics.get(k) for k in DISTILL_COLUMNS}
+    if "process_reward_mean" in metrics:
+        row |= {k: metrics.get(k) for k in PRIME_COLUMNS}
     if rollout is not None:
         row |= {k: rollout.get(k) for k in TOOL_COLUMNS}
         row |= {k: v for k, v in sorted(rollout.items()) if k.startswith("tool_call_rate/")}

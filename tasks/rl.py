@@ -1,4 +1,5 @@
-"""Prefect tasks of the RL stages: the policy (and critic) update, and VAPO's value pretraining."""
+"""Prefect tasks of the RL stages: the policy (and critic) update, VAPO's value pretraining, and PRIME's implicit
+PRM update and process rewards."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from posttrain_core.artifacts import ArtifactRef
 from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import RLConfig
 from posttrain_core.stage import key_for
+from posttrain_core.train.prm import SCORE_STAGE as PROCESS_STAGE
+from posttrain_core.train.prm import STAGE as PRM_STAGE
+from posttrain_core.train.prm import PRMSettings, prm_inputs, run_prm_update, run_process_rewards
 from posttrain_core.train.rl_stage import (
     STAGE,
     VALUE_STAGE,
@@ -19,7 +23,7 @@ from tasks.common import run_core, stage_task
 
 def _update_key(p, store):
     inputs = update_inputs(
-        p["scored"], p["policy"], p["reference"], p.get("critic"), p.get("teacher"), p.get("sampler")
+        p["scored"], p["policy"], p["reference"], p.get("critic"), p.get("teacher"), p.get("sampler"), p.get("process")
     )
     return key_for(STAGE, p["cfg"], inputs)
 
@@ -38,12 +42,15 @@ def rl_update(
     next_rollout: NextRollout | None = None,
     teacher: list[ArtifactRef] | None = None,
     sampler: ArtifactRef | None = None,
+    process: ArtifactRef | None = None,
 ) -> ArtifactRef:
     """`warm` (the flow run's warm group) and `next_rollout` (the rollout that follows, started early) are not part
     of the cache key: they change how fast the artifact is made, not the artifact."""
     return run_core(
         f"rl_update[iter={iteration}]", store_root, parent_run_id,
-        lambda store: run_rl_update(cfg, scored, policy, reference, store, critic, warm, next_rollout, teacher, sampler),
+        lambda store: run_rl_update(
+            cfg, scored, policy, reference, store, critic, warm, next_rollout, teacher, sampler, process
+        ),
     )  # fmt: skip
 
 
@@ -61,3 +68,48 @@ def value_pretrain(
     return run_core(
         VALUE_STAGE, store_root, parent_run_id, lambda store: run_value_pretrain(cfg, scored, policy, store, warm)
     )
+
+
+def _prm_key(stage: str):
+    def key(p, store):
+        return key_for(stage, PRMSettings.of(p["cfg"]), prm_inputs(p["scored"], p["policy"], p["prm"], p["reference"]))
+
+    return key
+
+
+@stage_task(PRM_STAGE, _prm_key(PRM_STAGE), run_name="prm_update[iter={iteration}]")
+def prm_update(
+    cfg: RLConfig,
+    scored: list[ArtifactRef],
+    policy: ArtifactRef,
+    prm: ArtifactRef,
+    reference: ArtifactRef,
+    iteration: int = 0,
+    store_root: str | None = None,
+    parent_run_id: str | None = None,
+    warm: WarmGroup | None = None,
+) -> ArtifactRef:
+    """PRIME: PRM(k) from PRM(k-1) = `prm` on iteration k's scored rollouts (sampled by `policy`)."""
+    return run_core(
+        f"prm_update[iter={iteration}]", store_root, parent_run_id,
+        lambda store: run_prm_update(cfg, scored, policy, prm, reference, store, warm),
+    )  # fmt: skip
+
+
+@stage_task(PROCESS_STAGE, _prm_key(PROCESS_STAGE), run_name="process_rewards[iter={iteration}]")
+def process_rewards(
+    cfg: RLConfig,
+    scored: list[ArtifactRef],
+    policy: ArtifactRef,
+    prm: ArtifactRef,
+    reference: ArtifactRef,
+    iteration: int = 0,
+    store_root: str | None = None,
+    parent_run_id: str | None = None,
+    warm: WarmGroup | None = None,
+) -> ArtifactRef:
+    """PRIME: `prm`'s process rewards of iteration k's scored rollouts, for the `prime` advantage."""
+    return run_core(
+        f"process_rewards[iter={iteration}]", store_root, parent_run_id,
+        lambda store: run_process_rewards(cfg, scored, policy, prm, reference, store, warm),
+    )  # fmt: skip

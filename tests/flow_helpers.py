@@ -36,9 +36,9 @@ def stage_count(store, stage: str) -> int:
     return sum(1 for ref in store.list() if store.manifest(ref).get("stage") == stage)
 
 
-def kill_in_iteration_2(config, log: Path) -> int:
+def kill_in_iteration_2(config, log: Path, stage: str = "rl_update") -> int:
     """Run the rlhf flow on `config` in its own process on this session's Ray cluster, and SIGKILL its process
-    group as iteration 2's update starts building; returns the killed process's pid."""
+    group as iteration 2's `stage` starts building; returns the killed process's pid."""
     import ray
 
     env = {
@@ -56,7 +56,7 @@ def kill_in_iteration_2(config, log: Path) -> int:
         # The kill comes as iteration 2's update starts building (Prefect has written the cache records of the stages
         # before it). A kill between a stage's publish and the end of its task is survived too, but the rerun then
         # shows that task as Completed (a store hit), not Cached.
-        while log.read_text().count("rl_update: building") < 2:
+        while log.read_text().count(f"{stage}: building") < 2:
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.time() < deadline, "iteration 2 never started"
             time.sleep(0.02)

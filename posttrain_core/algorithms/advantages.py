@@ -179,7 +179,9 @@ class AdvantageInputs:
     gamma, lam: discount and GAE lambda of the policy advantages; critic_lam: GAE lambda of the value targets;
     vapo_alpha: VAPO's length-adaptive lambda scale. sampler_logp_B_T / teacher_logp_B_T: the sampling engine's and
     the teacher's log-probs of the sampled tokens (on-policy distillation; None without a teacher), distill_coef,
-    distill_discount, task_weight, task_advantage: its settings (`DistillConfig`).
+    distill_discount, task_weight, task_advantage: its settings (`DistillConfig`). process_B_T: the implicit PRM's
+    process rewards (PRIME; None without one), prime_gt_coef, prime_dpo_coef, prime_norm: its settings
+    (`PrimeConfig`).
     """
 
     rewards_B_T: Tensor
@@ -196,6 +198,10 @@ class AdvantageInputs:
     distill_discount: float = 0.0
     task_weight: float = 0.0
     task_advantage: str = "grpo"
+    process_B_T: Tensor | None = None
+    prime_gt_coef: float = 5.0
+    prime_dpo_coef: float = 5.0
+    prime_norm: str = "batch_norm"
 
     @property
     def sequence_rewards_B(self) -> Tensor:
@@ -274,6 +280,18 @@ def opd(inp: AdvantageInputs) -> tuple[Tensor, None]:
         inp.sampler_logp_B_T, inp.teacher_logp_B_T, inp.mask_B_T, inp.distill_coef, inp.distill_discount, task,
         inp.task_weight,
     ), None  # fmt: skip
+
+
+@register_advantage("prime")
+def prime(inp: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """PRIME: RLOO of the outcome x gt_coef on the last token plus RLOO of the process rewards x dpo_coef, summed
+    backwards and whitened (`prime.prime_advantages`); without process rewards, the outcome part alone."""
+    from posttrain_core.algorithms.prime import prime_advantages
+
+    return prime_advantages(
+        inp.sequence_rewards_B, inp.process_B_T, inp.mask_B_T, inp.group_B, inp.prime_gt_coef, inp.prime_dpo_coef,
+        inp.prime_norm,
+    )[0], None  # fmt: skip
 
 
 @register_advantage("none")

@@ -42,6 +42,13 @@ _ROLLOUT_FIELDS = [
     _f("images", IMAGES, nullable=True),  # the prompt's images: the trainer's forward needs the pixels again
 ]
 
+_SCORE_FIELDS = [
+    _f("reward", pa.float32()),
+    _f("reward_components", pa.map_(pa.string(), pa.float32())),
+    _f("correct", pa.bool_(), nullable=True),
+    _f("parse_failed", pa.bool_()),
+]
+
 _TEACHER_FIELDS = [
     _f("teacher_logprobs", pa.list_(pa.float32())),
     _f("teacher_topk_ids", pa.list_(pa.list_(pa.int32())), nullable=True),
@@ -64,15 +71,9 @@ SCHEMAS: dict[str, pa.Schema] = {
     # chosen / rejected: the assistant turn(s) that continue `prompt`.
     "preferences": pa.schema([_f("prompt", MESSAGES), _f("chosen", MESSAGES), _f("rejected", MESSAGES)]),
     "rollouts": pa.schema(_ROLLOUT_FIELDS),
-    "scored_rollouts": pa.schema(
-        _ROLLOUT_FIELDS
-        + [
-            _f("reward", pa.float32()),
-            _f("reward_components", pa.map_(pa.string(), pa.float32())),
-            _f("correct", pa.bool_(), nullable=True),
-            _f("parse_failed", pa.bool_()),
-        ]
-    ),
+    "scored_rollouts": pa.schema(_ROLLOUT_FIELDS + _SCORE_FIELDS),
+    # Scored rollouts with PRIME's implicit process reward of every response token (0.0 where response_mask is 0).
+    "process_rewards": pa.schema(_ROLLOUT_FIELDS + _SCORE_FIELDS + [_f("process_rewards", pa.list_(pa.float32()))]),
     # Rollouts with a teacher's log-probs of every response token (0.0 where response_mask is 0), and with top-k its
     # k most likely tokens at each response position and their log-probs (R x K, most likely first; null: no top-k).
     "teacher_logprobs": pa.schema(_ROLLOUT_FIELDS + _TEACHER_FIELDS),
@@ -98,6 +99,7 @@ _JSON_COLUMNS = {
     "rollouts": ("turns",),
     "scored_rollouts": ("turns",),
     "teacher_logprobs": ("turns",),
+    "process_rewards": ("turns",),
 }
 
 

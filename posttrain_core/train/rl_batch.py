@@ -8,6 +8,7 @@ position len(prompt_b) + j - 1; `response_mask` is 1 on tokens the policy genera
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,8 @@ from posttrain_core.train.rl_stats import LogpChecks
 if TYPE_CHECKING:
     from posttrain_core.artifacts import ArtifactRef, ArtifactStore
     from posttrain_core.models.heads import Scores
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class RLBatch:
     teacher_topk_ids: list[list[list[int]]] | None = None
     teacher_topk_logp: list[list[list[float]]] | None = None
     images: list[list[bytes] | None] | None = None  # each row's prompt images (PNG), for a VLM policy
+    process_rewards: list[list[float]] | None = None  # PRIME: the implicit PRM's r_t, aligned to response_ids
+    keys: list[tuple[str, int]] | None = None  # each row's (prompt_id, sample_index) in the scored rollouts
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -113,13 +118,18 @@ def load_batch(
     stage: str = "rl_update",
     teacher: list[ArtifactRef] | None = None,
     sampler: ArtifactRef | None = None,
+    process: ArtifactRef | None = None,
 ) -> tuple[RLBatch, dict[str, float]]:
     """The rows to train on, as an RLBatch, and data metrics.
+
+    Rows are kept by prompt group: all of them; with DAPO's dynamic sampling the groups whose rewards differ; with
+    `cfg.accuracy_band` those `prime.band_filter` picks.
 
     Args:
         teacher: `teacher_logprobs` datasets of the same rollouts (one per scored artifact): their teacher columns
             join each row by (prompt_id, sample_index).
         sampler: the model that sampled the rows when it is not `policy` (a teacher's samples, distill.seq_kd).
+        process: a `process_rewards` dataset of the same rollouts (PRIME), joined the same way.
 
     Raises:
         ValueError: a row was sampled by another model than `policy` (stale weights) or `sampler`, a teacher row
@@ -147,10 +157,13 @@ def load_batch(
         groups.setdefault(f"{r['prompt_id']}", []).append(i)
     uniform = [g for g, idx in groups.items() if len({round(rows[i]["reward"], 6) for i in idx}) == 1]
     keep = list(groups)
+    band: dict[str, float] = {}
     if cfg.dynamic_sampling:
         keep = [g for g in groups if g not in set(uniform)][:want]
         if not keep:
             raise ValueError(f"{stage}: dynamic sampling left no group with non-uniform rewards")
+    elif cfg.accuracy_band is not None:
+        keep, band = _band(rows, groups, cfg, stage)
     picked = [i for g in keep for i in groups[g]]
     gid = {g: k for k, g in enumerate(keep)}
     batch = RLBatch(
@@ -162,9 +175,13 @@ def load_batch(
         groups=[gid[rows[i]["prompt_id"]] for i in picked],
         correct=[bool(rows[i]["correct"]) for i in picked],
         images=[rows[i]["images"] for i in picked] if with_images else None,
+        keys=[(rows[i]["prompt_id"], rows[i]["sample_index"]) for i in picked],
     )
     if teacher:
         batch = dataclasses.replace(batch, **_teacher_columns(store, teacher, [rows[i] for i in picked], stage))
+    if process is not None:
+        joined = _join(store, [process], "process_rewards", ["process_rewards"], [rows[i] for i in picked], stage)
+        batch = dataclasses.replace(batch, process_rewards=joined["process_rewards"])
     if all(not r for r in batch.response_ids):
         raise ValueError(f"{stage}: every response is empty; nothing to train on")
     lengths = [sum(m) for m in batch.response_mask]  # policy tokens: tool turns are not the policy's length
@@ -180,7 +197,26 @@ def load_batch(
     }
     if outcomes:
         metrics["accuracy"] = sum(outcomes) / len(outcomes)
-    return batch, metrics
+    return batch, metrics | band
+
+
+def _band(rows: list[dict], groups: dict[str, list[int]], cfg: RLConfig, stage: str) -> tuple[list[str], dict]:
+    """The groups `cfg.accuracy_band` keeps (`prime.band_filter`), and its metrics."""
+    from posttrain_core.algorithms.prime import band_filter
+
+    accuracy = {}
+    for g, idx in groups.items():
+        outcomes = [rows[i]["correct"] for i in idx]
+        if any(c is None for c in outcomes):
+            raise ValueError(
+                f"{stage}: rl.accuracy_band needs each sample's outcome, but prompt {g!r} has samples no verifier "
+                "decided (correct = null): score with a verifier, or leave rl.accuracy_band empty"
+            )
+        accuracy[g] = sum(outcomes) / len(outcomes)
+    keep, passing = band_filter(accuracy, cfg.accuracy_band, cfg.oversample_factor)
+    log.info("%s: accuracy band %s kept %d of %d prompts (%d inside the band)", stage, tuple(cfg.accuracy_band),
+             len(keep), len(groups), passing)  # fmt: skip
+    return keep, {"band_prompts": float(len(groups)), "band_passing": float(passing), "band_kept": float(len(keep))}
 
 
 _COLUMNS = [
@@ -189,31 +225,38 @@ _COLUMNS = [
 
 
 def _teacher_columns(store: ArtifactStore, teacher: list[ArtifactRef], rows: list[dict], stage: str) -> dict:
-    """RLBatch's teacher fields for `rows`, joined from the `teacher_logprobs` datasets by (prompt_id,
-    sample_index); each teacher row must hold the very response tokens it scored."""
-    from posttrain_core.data.io import read_dataset
+    """RLBatch's teacher fields for `rows`, from the `teacher_logprobs` datasets (`_join`)."""
     from posttrain_core.rollout.engine import TEACHER_COLUMNS
 
+    cols = _join(store, teacher, "teacher_logprobs", list(TEACHER_COLUMNS), rows, stage)
+    out = {"teacher_logp": cols["teacher_logprobs"], "teacher_topk_ids": cols["teacher_topk_ids"],
+           "teacher_topk_logp": cols["teacher_topk_logprobs"]}  # fmt: skip
+    if any(x is None for x in out["teacher_topk_ids"]):
+        out["teacher_topk_ids"] = out["teacher_topk_logp"] = None
+    return out
+
+
+def _join(store: ArtifactStore, refs: list[ArtifactRef], kind: str, columns: list[str], rows: list[dict],
+          stage: str) -> dict[str, list]:  # fmt: skip
+    """`columns` of the `kind` datasets `refs`, for each of `rows`, joined by (prompt_id, sample_index); each joined
+    row must hold the very response tokens of the rollout it belongs to."""
+    from posttrain_core.data.io import read_dataset
+
     found: dict[tuple[str, int], tuple[dict, str]] = {}
-    names = ["prompt_id", "sample_index", "response_ids", *TEACHER_COLUMNS]
-    for ref in teacher:
-        for r in read_dataset(store.local_path(ref), "teacher_logprobs").select(names).to_pylist():
+    for ref in refs:
+        for r in read_dataset(store.local_path(ref), kind).select(["prompt_id", "sample_index", "response_ids",
+                                                                    *columns]).to_pylist():  # fmt: skip
             found[(r["prompt_id"], r["sample_index"])] = (r, ref.uri)
-    out: dict[str, list] = {"teacher_logp": [], "teacher_topk_ids": [], "teacher_topk_logp": []}
+    out: dict[str, list] = {c: [] for c in columns}
     for row in rows:
         key = (row["prompt_id"], row["sample_index"])
         if key not in found:
-            raise ValueError(f"{stage}: no teacher log-probs for prompt {key[0]!r} sample {key[1]}")
+            raise ValueError(f"{stage}: no {kind} row for prompt {key[0]!r} sample {key[1]}")
         t, uri = found[key]
         if t["response_ids"] != row["response_ids"]:
-            raise ValueError(
-                f"{stage}: {uri} scored other tokens than the rollout of prompt {key[0]!r} sample {key[1]}"
-            )
-        out["teacher_logp"].append(t["teacher_logprobs"])
-        out["teacher_topk_ids"].append(t["teacher_topk_ids"])
-        out["teacher_topk_logp"].append(t["teacher_topk_logprobs"])
-    if any(x is None for x in out["teacher_topk_ids"]):
-        out["teacher_topk_ids"] = out["teacher_topk_logp"] = None
+            raise ValueError(f"{stage}: {uri} holds other tokens than the rollout of prompt {key[0]!r} sample {key[1]}")
+        for c in columns:
+            out[c].append(t[c])
     return out
 
 

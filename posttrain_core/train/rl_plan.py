@@ -20,15 +20,20 @@ class DynamicSamplingError(RuntimeError):
 
 
 def iteration_rollout(
-    cfg: RolloutConfig, iteration: int, gen_batch: int = 0, max_gen_batches: int = 1
+    cfg: RolloutConfig, iteration: int, gen_batch: int = 0, max_gen_batches: int = 1, oversample: int = 1
 ) -> RolloutConfig:
     """The rollout settings of one iteration: the next window of `max_prompts` prompts and a seed of its own.
 
     Iteration k (from 1; 0 is the initial policy's batch for value pretraining), generation batch j takes the
-    window starting at ((k - 1) * max_gen_batches + j) * max_prompts, wrapping around the prompts.
+    window starting at ((k - 1) * max_gen_batches + j) * max_prompts, wrapping around the prompts. With
+    `oversample` > 1 (rl.accuracy_band's oversample_factor) a window is that many times max_prompts wide.
     """
-    window = (max(iteration - 1, 0) * max_gen_batches + gen_batch) * (cfg.max_prompts or 0)
-    return cfg.model_copy(update={"prompt_start": window, "seed": cfg.seed + 1000 * iteration + gen_batch})
+    width = (cfg.max_prompts or 0) * oversample
+    window = (max(iteration - 1, 0) * max_gen_batches + gen_batch) * width
+    update = {"prompt_start": window, "seed": cfg.seed + 1000 * iteration + gen_batch}
+    if oversample > 1:
+        update["max_prompts"] = width
+    return cfg.model_copy(update=update)
 
 
 def score_config_for(rl: RLConfig, score: ScoreConfig, rollout: RolloutConfig) -> ScoreConfig:

@@ -44,19 +44,22 @@ class NextRollout(BaseModel):
 
 # -------------------------------------------------------------------------------------------------- the ranks
 @contextlib.contextmanager
-def _ranks(warm: WarmGroup | None, num_workers: int) -> Iterator[WorkerGroup]:
-    """The update's ranks: the warm group's (kept for the next update after a success), or this stage's own."""
+def ranks_of(
+    warm: WarmGroup | None, num_workers: int, role: str = STAGE, cls: type = RLWorker
+) -> Iterator[WorkerGroup]:
+    """A stage's ranks of `role` (each a `cls`): the warm group's (kept for the next stage of that role after a
+    success), or this stage's own."""
 
     def start() -> list[Any]:
-        return WorkerGroup.start(RLWorker, num_workers, num_cpus=0).actors
+        return WorkerGroup.start(cls, num_workers, num_cpus=0).actors
 
-    with WarmGroup.use(warm, STAGE) as group:
-        actors, _ = group.get(STAGE, f"w{num_workers}", num_workers, start)
+    with WarmGroup.use(warm, role) as group:
+        actors, _ = group.get(role, f"w{num_workers}", num_workers, start)
         ranks = WorkerGroup(actors)
         try:
             yield ranks
         except BaseException:
-            group.discard(STAGE)  # a failed update leaves no half-updated ranks behind
+            group.discard(role)  # a failed update leaves no half-updated ranks behind
             raise
         ranks.run("keep")
 
@@ -81,7 +84,7 @@ def _launch(
             "workers (every worker needs a row per mini-batch): sample more prompts or lower rl.mini_batches"
         )
     t0 = time.time()
-    with _ranks(warm, cfg.num_workers) as ranks:
+    with ranks_of(warm, cfg.num_workers) as ranks:
         loads = ranks.run("load", job)
         t1 = time.time()
         batch_ref = ray.put(batch)
@@ -122,6 +125,7 @@ def check_rl_inputs(
     policy: ArtifactRef,
     store: ArtifactStore,
     teacher: list[ArtifactRef] | None = None,
+    process: ArtifactRef | None = None,
 ) -> None:
     from posttrain_core.algorithms.advantages import ADVANTAGES
     from posttrain_core.algorithms.losses import POLICY_LOSSES
@@ -161,6 +165,12 @@ def check_rl_inputs(
         if ref.kind != "dataset" or ref.schema_kind != "teacher_logprobs":
             raise ValueError(f"{STAGE}: teacher inputs must be 'teacher_logprobs' datasets, got {ref.schema_kind} at "
                              f"{ref.uri}")  # fmt: skip
+    if rcfg.advantage == "prime" and process is None:
+        raise ValueError(f"{STAGE}: algorithm '{rcfg.algorithm}' takes PRIME's process rewards: give the "
+                         "'process_rewards' dataset of these rollouts (the rlhf flow's process_rewards stage)")  # fmt: skip
+    if process is not None and (process.kind != "dataset" or process.schema_kind != "process_rewards"):
+        raise ValueError(f"{STAGE}: process must be a 'process_rewards' dataset, got {process.schema_kind} at "
+                         f"{process.uri}")  # fmt: skip
 
 
 def critic_source(store: ArtifactStore, ref: ArtifactRef | None) -> NodePath | None:
@@ -182,6 +192,7 @@ def run_rl_update(
     next_rollout: NextRollout | None = None,
     teacher: list[ArtifactRef] | None = None,
     sampler: ArtifactRef | None = None,
+    process: ArtifactRef | None = None,
 ) -> ArtifactRef:
     """One RL update of `policy` on `scored` (one artifact, or several generation batches with dynamic sampling).
 
@@ -201,17 +212,18 @@ def run_rl_update(
         teacher: the teacher's log-probs of the same rollouts (`rollout.teacher`), one per scored artifact, for
             on-policy distillation and GKD (`cfg.distill`).
         sampler: the model that sampled `scored` when it is not `policy` (the teacher, under distill.seq_kd/lmbda).
+        process: PRIME's process rewards of the same rollouts (a `process_rewards` dataset, `train.prm`).
 
     Returns:
         A model artifact: the new policy (full or adapter folder), `critic/` when the algorithm has one and
         `trainer_state.pt`; its manifest holds the metrics docs/algorithms.md lists.
     """
-    check_rl_inputs(cfg, scored, policy, store, teacher)
+    check_rl_inputs(cfg, scored, policy, store, teacher, process)
     rcfg = cfg.resolved()
-    inputs = update_inputs(scored, policy, reference, critic, teacher, sampler)
+    inputs = update_inputs(scored, policy, reference, critic, teacher, sampler, process)
 
     def build(ctx: StageContext) -> StageOutput:
-        batch, data_metrics = load_batch(store, scored, policy, rcfg, STAGE, teacher, sampler)
+        batch, data_metrics = load_batch(store, scored, policy, rcfg, STAGE, teacher, sampler, process)
         policy_path = node_path(store, policy)
         state = Path(store.metadata_path(policy)) / STATE_FILE
         prev = store.manifest(policy) if not policy.external else {}
@@ -303,9 +315,12 @@ def run_value_pretrain(
 _VALUE_KEYS = ("value_loss", "vf_clip_frac", "critic_grad_norm", "update_s")
 
 
-def update_inputs(scored: list[ArtifactRef], policy, reference, critic, teacher=None, sampler=None) -> dict[str, Any]:
+def update_inputs(
+    scored: list[ArtifactRef], policy, reference, critic, teacher=None, sampler=None, process=None
+) -> dict[str, Any]:
     """The update stage's named inputs (its key; the Prefect task's cache key uses the same)."""
     inputs = {f"scored_{i}": s for i, s in enumerate(scored)} | {"policy": policy, "reference": reference}
     inputs |= {f"teacher_{i}": t for i, t in enumerate(teacher or [])}
     inputs |= {"sampler": sampler} if sampler is not None else {}
+    inputs |= {"process": process} if process is not None else {}
     return inputs | ({"critic": critic} if critic is not None else {})

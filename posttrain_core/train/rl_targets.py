@@ -44,12 +44,18 @@ def compute_targets(
     if values is None and cfg.uses_critic:
         raise ValueError(f"rl_update: algorithm '{cfg.algorithm}' needs a critic")
     teacher = pad(batch.teacher_logp, width) if batch.teacher_logp is not None else None
-    d = cfg.distill
+    process = pad(batch.process_rewards, width) if batch.process_rewards is not None else None
+    if cfg.advantage == "prime" and process is None:
+        raise ValueError("rl_update: the 'prime' advantage needs the PRM's process rewards (a process_rewards stage)")
+    d, pr = cfg.distill, cfg.prime
     inputs = AdvantageInputs(
         token_rewards, mask, groups, values, cfg.gamma, cfg.lam, cfg.critic_lam, cfg.vapo_alpha,
         sampler_logp_B_T=pad(batch.logprobs, width) if teacher is not None else None, teacher_logp_B_T=teacher,
         **(dict(distill_coef=d.coef, distill_discount=d.discount, task_weight=d.task_weight,
                 task_advantage=d.task_advantage) if d is not None else {}),
+        process_B_T=process,
+        **(dict(prime_gt_coef=pr.reward_gt_coef, prime_dpo_coef=pr.reward_dpo_coef, prime_norm=pr.norm)
+           if pr is not None else {}),
     )  # fmt: skip
     adv, returns = ADVANTAGES[cfg.advantage](inputs)
     if values is not None and returns is None:  # a critic under a critic-free estimator: Monte-Carlo targets
@@ -65,6 +71,9 @@ def compute_targets(
         metrics["value_mean"] = float(masked_mean(values, mask))
     if teacher is not None:
         metrics |= teacher_metrics(batch, inputs.sampler_logp_B_T, teacher, mask, width)
+    if process is not None:  # the PRM's credit as the update took it
+        metrics |= {"process_reward_mean": float(masked_mean(process, mask)),
+                    "process_reward_abs_mean": float(masked_mean(process.abs(), mask))}  # fmt: skip
     next_kl = kl_coef
     if cfg.kl_target is not None and ref is not None:
         seq_kl = float((kl_estimate(old, ref, "k1") * mask).sum(-1).mean())

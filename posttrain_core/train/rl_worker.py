@@ -163,14 +163,14 @@ class RLWorker:
         ref_rows: list[list[float]] = []
         value_rows: list[list[float]] = []
         checks = LogpChecks() if need_old else None
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self.autocast():
             for chunk in chunks(rows, 2 * self.cfg.micro_batch_size):
                 ids, attn, pos, labels, mask = encode(batch, chunk, self.pad_id)
-                shared = self._shared(batch, chunk)
-                images = self._images(batch, chunk, ids, attn)
+                shared = self.shared(batch, chunk)
+                images = self.images(batch, chunk, ids, attn)
                 lengths = [len(batch.response_ids[i]) for i in chunk]
                 old = self._eval_logp(ids, attn, pos, labels, shared, images) if old_rows is not None else None
-                ref = self._reference_logp(ids, attn, pos, labels, shared, images)  # after: a LoRA policy is in eval
+                ref = self.reference_logp(ids, attn, pos, labels, shared, images)  # after: a LoRA policy is in eval
                 if old is not None:
                     old_rows += [old[b, :n].tolist() for b, n in enumerate(lengths)]
                     checks.add(pad([batch.logprobs[i] for i in chunk], mask.shape[1]), old, ref, mask)
@@ -185,11 +185,11 @@ class RLWorker:
             self.critic.train()
         return Prepared(old_rows, ref_rows, value_rows, checks)
 
-    def _shared(self, batch: RLBatch, rows: list[int]):
+    def shared(self, batch: RLBatch, rows: list[int]):
         """`encode_shared` of `rows` when the models allow it, else None."""
         return encode_shared(batch, rows, self.pad_id) if self.can_share else None
 
-    def _images(self, batch: RLBatch, rows: list[int], ids, attn):
+    def images(self, batch: RLBatch, rows: list[int], ids, attn):
         """A VLM policy's pixels and 3-D positions of the encoded `rows` (`vision.inputs`); None for a text model."""
         if self.vision is None:
             if batch.images is not None and any(batch.images[i] for i in rows):
@@ -213,7 +213,7 @@ class RLWorker:
         with torch.no_grad():
             return response_logprobs(self.policy.eval(), ids, attn, pos, labels, shared, vision=images).logp
 
-    def _reference_logp(self, ids, attn, pos, labels, shared=None, images=None):
+    def reference_logp(self, ids, attn, pos, labels, shared=None, images=None):
         """Reference log-probs of one encoded chunk, without gradients: the frozen reference model, or for LoRA the
         policy with its adapter disabled; None when the job has no reference."""
         import torch
@@ -331,8 +331,8 @@ class RLWorker:
 
         cfg, out = self.cfg, UpdateStats()
         ids, attn, pos, labels, mask = encode(batch, rows, self.pad_id)
-        shared = self._shared(batch, rows) if self.job.train_policy else None
-        images = self._images(batch, rows, ids, attn)
+        shared = self.shared(batch, rows) if self.job.train_policy else None
+        images = self.images(batch, rows, ids, attn)
         out.seq_tokens = float(attn.sum())
         out.seq_tokens_run = float(shared[1].sum() + shared[3].mask_U_P.sum()) if shared is not None else out.seq_tokens
         out.tokens = float(full.mask[rows].sum())
@@ -341,13 +341,13 @@ class RLWorker:
         old = full.old[rows, :R] if full.old is not None else None
         ref = full.ref[rows, :R] if full.ref is not None else None
         if targets.ref_in_update and self.job.train_policy:
-            with self._autocast():
-                ref = self._reference_logp(ids, attn, pos, labels, shared, images)
+            with self.autocast():
+                ref = self.reference_logp(ids, attn, pos, labels, shared, images)
         scale = float(self.world)  # DDP averages gradients over ranks; our losses are already global sums
         if self.job.train_policy:
             no_sync = contextlib.nullcontext() if sync else self.ddp_policy.no_sync()
             top = full.teacher_ids[rows, :R] if full.teacher_ids is not None else None
-            with no_sync, self._autocast():
+            with no_sync, self.autocast():
                 scores = response_logprobs(
                     self.ddp_policy, ids, attn, pos, labels, shared, entropy=True, gather=top,
                     topk=top.shape[-1] if top is not None else 0, vision=images,
@@ -383,7 +383,7 @@ class RLWorker:
             out.approx_kl_sum = float(info.get("approx_kl", 0.0)) * n_tok
         if self.critic is not None:
             no_sync = contextlib.nullcontext() if sync else self.ddp_critic.no_sync()
-            with no_sync, self._autocast():
+            with no_sync, self.autocast():
                 values = token_values(self.ddp_critic, ids, attn).gather(1, pos)
                 vl, vinfo = value_loss(
                     values, full.values[rows, :R], full.returns[rows, :R], m, settings, value_clip=cfg.value_clip
@@ -416,7 +416,7 @@ class RLWorker:
             return None
         return {name: t.detach().numpy() for name, t in state.items()}
 
-    def _autocast(self):
+    def autocast(self):
         import torch
 
         return torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.dtype == "bfloat16" else contextlib.nullcontext()
