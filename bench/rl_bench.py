@@ -4,6 +4,7 @@
     python -m bench.rl_bench --algorithms grpo,ppo --iterations 10
     python -m bench.rl_bench --model PATH                 # start from an existing checkpoint instead of the SFT demo
     python -m bench.rl_bench --algorithms grpo,prime --seeds 0,1 --prm-lr 1e-4   # PRIME against GRPO, two seeds
+    python -m bench.rl_bench --real --algorithms grpo,prime --iterations 4 --prompts 16 --n 8   # on SmolLM2 (LoRA)
 
 Every algorithm runs the real `rlhf_flow` (ephemeral Prefect, local Ray, 2 update workers, hf rollout engine) from
 the same starting policy, on the same prompts (the synthetic training prompts, arithmetic and letter reversal, the
@@ -51,6 +52,23 @@ def run_algorithm(args, algorithm: str, start: str, seed: int = 0) -> dict:
     }  # fmt: skip
     if algorithm == "prime":  # the same rollout budget as the others: the band reorders, it drops nothing (f = 1)
         rl["prime"] = {"lr": args.prm_lr} if args.prm_lr else {}
+    if args.real:  # `make demo-real`'s run (SmolLM2, LoRA, one-digit arithmetic), with this benchmark's budget
+        from flows.real import real_config
+
+        base = real_config()
+        prime = {"prime": {"lr": args.prm_lr}} if algorithm == "prime" and args.prm_lr else {}
+        cfg = base.model_copy(
+            update=dict(
+                store=args.store, iterations=args.iterations, eval_every=args.eval_every,
+                rollout=base.rollout.model_copy(update={"n": args.n, "max_prompts": args.prompts, "seed": seed}),
+                rl=RLHFFlowConfig.model_validate({"rl": {**base.rl.model_dump(exclude_unset=True),
+                                                         "algorithm": algorithm, "seed": seed, **prime}}).rl,
+            )
+        )  # fmt: skip
+        t0 = time.time()
+        result = rlhf_flow(cfg)
+        result["wall_s"] = time.time() - t0
+        return result
     families = args.families.split(",") if args.families else []
     cfg = RLHFFlowConfig(
         store=args.store,
@@ -135,6 +153,7 @@ def main() -> None:
     p.add_argument("--seeds", default="0", help="seeds (rollout and update), comma-separated: a run per algorithm each")
     p.add_argument("--prm-lr", type=float, default=None, help="prime: the PRM's learning rate (default: PrimeConfig's)")
     p.add_argument("--model", default=None, help="start policy (default: the SFT demo model, built in --store)")
+    p.add_argument("--real", action="store_true", help="make demo-real's run (SmolLM2, LoRA) instead of the demo's")
     p.add_argument("--store", default=None, help="artifact store (default: a temporary folder)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     args = p.parse_args()
@@ -146,7 +165,7 @@ def main() -> None:
     args.mini_batches = args.mini_batches or defaults.mini_batches
     args.epochs = args.epochs or defaults.ppo_epochs
     args.store = args.store or tempfile.mkdtemp(prefix="posttrain-rl-bench-")
-    start = args.model or sft_model(args.store)
+    start = "" if args.real else args.model or sft_model(args.store)
     results = {}
     seeds = [int(x) for x in args.seeds.split(",")]
     for name in args.algorithms.split(","):
