@@ -5,6 +5,7 @@
     python -m bench.rl_bench --model PATH                 # start from an existing checkpoint instead of the SFT demo
     python -m bench.rl_bench --algorithms grpo,prime --seeds 0,1 --prm-lr 1e-4   # PRIME against GRPO, two seeds
     python -m bench.rl_bench --real --algorithms grpo,prime --iterations 4 --prompts 16 --n 8   # on SmolLM2 (LoRA)
+    python -m bench.rl_bench --algorithms grpo,grpo+rollout_lag=1+off_policy=tis   # RLConfig fields after '+'
 
 Every algorithm runs the real `rlhf_flow` (ephemeral Prefect, local Ray, 2 update workers, hf rollout engine) from
 the same starting policy, on the same prompts (the synthetic training prompts, arithmetic and letter reversal, the
@@ -42,13 +43,24 @@ def sft_model(store: str) -> str:
     return sft_flow(SFTFlowConfig(store=store))["model"].uri
 
 
-def run_algorithm(args, algorithm: str, start: str, seed: int = 0) -> dict:
+def _fields(spec: str) -> tuple[str, dict]:
+    """'grpo+rollout_lag=1+off_policy=tis' -> ('grpo', {'rollout_lag': 1, 'off_policy': 'tis'})."""
+    name, *pairs = spec.split("+")
+    fields = {}
+    for pair in pairs:
+        key, value = pair.split("=", 1)
+        fields[key] = json.loads(value) if value[:1].isdigit() or value[:1] in "-[{" else value
+    return name, fields
+
+
+def run_algorithm(args, spec: str, start: str, seed: int = 0) -> dict:
     from flows.rlhf import rlhf_flow
     from posttrain_core.config import RLHFFlowConfig
 
+    algorithm, extra = _fields(spec)
     rl = {
         "algorithm": algorithm, "lr": args.lr, "critic_lr": args.critic_lr, "num_workers": args.workers,
-        "mini_batches": args.mini_batches, "ppo_epochs": args.epochs, "seed": seed,
+        "mini_batches": args.mini_batches, "ppo_epochs": args.epochs, "seed": seed, **extra,
     }  # fmt: skip
     if algorithm == "prime":  # the same rollout budget as the others: the band reorders, it drops nothing (f = 1)
         rl["prime"] = {"lr": args.prm_lr} if args.prm_lr else {}
@@ -62,7 +74,7 @@ def run_algorithm(args, algorithm: str, start: str, seed: int = 0) -> dict:
                 store=args.store, iterations=args.iterations, eval_every=args.eval_every,
                 rollout=base.rollout.model_copy(update={"n": args.n, "max_prompts": args.prompts, "seed": seed}),
                 rl=RLHFFlowConfig.model_validate({"rl": {**base.rl.model_dump(exclude_unset=True),
-                                                         "algorithm": algorithm, "seed": seed, **prime}}).rl,
+                                                         "algorithm": algorithm, "seed": seed, **prime, **extra}}).rl,
             )
         )  # fmt: skip
         t0 = time.time()
@@ -121,6 +133,11 @@ def report(results: dict[str, dict], args) -> str:
     lines += ["", "1b. held-out sampled accuracy (pass@1) per evaluated iteration (--eval-every)"]
     for name, r in results.items():
         lines.append(f"{name:<22} " + " ".join(f"{k}:{e['sampled_pass@1']:.3f}" for k, e in sorted(r["eval"].items())))
+    lines += ["", "1c. per iteration: wall s, the update's wait for its rows, the engines' wait for a policy"]
+    for name, r in results.items():
+        lines.append(f"{name:<22} " + " ".join(
+            f"{t['wall_s']:.1f}/{t.get('update_wait_s', 0):.1f}/{t.get('rollout_wait_s', 0):.1f}" for t in r["timings"]
+        ))  # fmt: skip
     lines += ["", "2. reward curve (sample reward mean per iteration)"]
     for name, r in results.items():
         lines.append(f"{name:<22} " + " ".join(f"{row['reward_mean']:.3f}" for row in r["curve"]))

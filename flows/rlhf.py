@@ -61,14 +61,33 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
         if rl.uses_critic and rl.value_pretrain_steps:
             samples = rollout(iteration_rollout(config.rollout, 0), data.prompts, start, 0, root, pid, w)
             critic = value_pretrain(config.rl, score(score_cfg, samples, rm, 0, root, pid), start, root, pid, w)
-        curve, timings = [], []
+        curve, timings, lag, ahead, rows_ready = [], [], rl.rollout_lag, {}, time.time()
+        if lag and rl.off_policy == "none":
+            get_run_logger().warning(
+                "rl.rollout_lag=%d with rl.off_policy='none': rows sampled by a policy %d update(s) old are trained "
+                "on as if the current one had sampled them; tis or decoupled corrects for it (docs/algorithms.md)",
+                lag, lag,
+            )  # fmt: skip
         for k in range(1, config.iterations + 1):
             started = time.time()
-            sampler = policy if rl.distill is None or rl.distill.student_samples(k, rl.seed) else teacher
-            samples, scored = _sample_and_score(config, store, data.prompts, sampler, rm, k, pid, w)
+            if k in ahead:  # submitted during iteration k - 1, while its update ran
+                sampler, (r, s) = ahead.pop(k)
+                samples, scored, rollout_wait = [r.result()], [s.result()], 0.0
+            else:
+                rollout_wait = started - rows_ready
+                sampler = policies[max(k - 1 - lag, 0)]
+                if rl.distill is not None and not rl.distill.student_samples(k, rl.seed):
+                    sampler = teacher
+                samples, scored = _sample_and_score(config, store, data.prompts, sampler, rm, k, pid, w)
+            rows_ready = time.time()
+            if lag and k < config.iterations:  # rollout k + 1 samples with policy k - lag, beside update k
+                ahead[k + 1] = (
+                    policies[max(k - lag, 0)],
+                    _submit_next(config, store, data.prompts, policies[max(k - lag, 0)], rm, k + 1, pid, w),
+                )
             scores = [teacher_logprobs(rl.distill, s, teacher, k, root, pid, w) for s in samples] if teacher else None
             nxt = None
-            if k < config.iterations and (rl.distill is None or rl.distill.student_samples(k + 1, rl.seed)):
+            if k < config.iterations and not lag and (rl.distill is None or rl.distill.student_samples(k + 1, rl.seed)):
                 nxt = NextRollout(rollout=_next_window(config, k), prompts=data.prompts)
             by = sampler if sampler is not policy else None
             process, prm_metrics = None, {}
@@ -82,8 +101,10 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             sampled_metrics = store.manifest(samples[-1])["metrics"] if config.rollout.tools else None
             if sampled_metrics:
                 run.log_metrics({f"rollout/{n}": v for n, v in sampled_metrics.items()}, step=k)
-            curve.append(reports.curve_row(k, metrics, sampled_metrics))
-            timings.append(reports.iteration_timing(store, k, started, samples, scored, policy))
+            waits = {"update_wait_s": rows_ready - started, "rollout_wait_s": rollout_wait}
+            run.log_metrics({f"rl/{name}": value for name, value in waits.items()}, step=k)
+            curve.append(reports.curve_row(k, metrics | waits, sampled_metrics))
+            timings.append(reports.iteration_timing(store, k, started, samples, scored, policy) | waits)
             if config.eval_every and k % config.eval_every == 0 and k < config.iterations:
                 evals[k] = _evaluate(config, data.eval, policy, k, root, pid, w)
         evals[config.iterations] = _evaluate(config, data.eval, policy, config.iterations, root, pid, w)
@@ -132,6 +153,16 @@ def _sample_and_score(config: RLHFFlowConfig, store, prompts, policy, rm, k: int
             if check_dynamic_sampling(counts, config.rollout.max_prompts, rl.max_gen_batches):
                 break
     return samples, scored
+
+
+def _submit_next(config: RLHFFlowConfig, store, prompts, policy, rm, k: int, pid: str, warm: WarmGroup):
+    """Iteration k's rollout and score as Prefect futures (the task runner's threads), sampled with `policy`: an
+    off-policy lag's rollout, generated while the update before it trains."""
+    rl = config.rl.resolved()
+    root = str(store.root)
+    window = iteration_rollout(config.rollout, k, 0, 1, rl.oversample_factor)
+    sampled = rollout.submit(window, prompts, policy, k, root, pid, warm)
+    return sampled, score.submit(score_config_for(rl, config.score, config.rollout), sampled, rm, k, root, pid)
 
 
 def _prime(config: RLHFFlowConfig, store, scored, policy, prm, start, k: int, pid: str, warm: WarmGroup):

@@ -572,6 +572,23 @@ class RLConfig(_Config):
     prime: PrimeConfig | None = Field(
         None, description="PRIME's implicit process reward model (empty: its defaults with algorithm='prime')"
     )
+    rollout_lag: int = Field(
+        0, ge=0,
+        description="off-policy lag L: rollout k+1 samples with policy max(k - L, 0), so with L >= 1 it runs while "
+        "update k trains (0: on-policy)",
+    )  # fmt: skip
+    max_staleness: int | None = Field(
+        None, ge=0, description="refuse rows sampled more than this many policy versions ago (empty: rollout_lag)"
+    )
+    off_policy: str = Field(
+        "none", json_schema_extra=USER_CODE,
+        description="correction of off-policy rows, a weight on each token's loss from w = pi_prox / mu: none, tis "
+        "(min(w, is_cap)), token_mask / seq_mask (w outside [is_low, is_high] rejected), decoupled (w), or your "
+        "registered function as 'package.module:function' / 'path/to/file.py:function'",
+    )  # fmt: skip
+    is_cap: float = Field(2.0, gt=0, description="tis: the truncation of the importance weight")
+    is_low: float = Field(0.5, ge=0, description="token_mask, seq_mask: the lowest importance weight kept")
+    is_high: float = Field(2.0, gt=0, description="token_mask, seq_mask: the highest importance weight kept")
 
     def preset(self, name: str):
         """The algorithm's preset value of `name` (None when it has none)."""
@@ -587,7 +604,7 @@ class RLConfig(_Config):
             if getattr(self, name) is None:
                 value = self.preset(name)
                 update[name] = defaults.get(name) if value is None else value
-        for name in ("advantage", "policy_loss"):  # Ray workers load user code by the same, absolute, reference
+        for name in ("advantage", "policy_loss", "off_policy"):  # Ray workers load user code by the same reference
             value = update.get(name, getattr(self, name))
             if is_reference(value):
                 update[name] = absolute(value)
@@ -648,6 +665,12 @@ class RLConfig(_Config):
             raise ValueError(
                 "rl.oversample_factor > 1 samples extra prompts for rl.accuracy_band to choose from: set it"
             )
+        if self.rollout_lag and (self.distill is not None or self.dynamic_sampling or self.preset("dynamic_sampling")):
+            raise ValueError("rl.rollout_lag > 0 cannot be combined with rl.distill or dynamic sampling")
+        if self.rollout_lag and (self.advantage or self.preset("advantage")) == "prime":
+            raise ValueError("rl.rollout_lag > 0 cannot be combined with PRIME (its PRM trains on the update's rows)")
+        if self.is_low > self.is_high:
+            raise ValueError(f"rl.is_low={self.is_low} is above rl.is_high={self.is_high}")
         if self.prime is not None and (self.advantage or self.preset("advantage")) != "prime":
             raise ValueError("rl.prime is set, but the advantage is not 'prime': use algorithm='prime'")
         if self.uses_critic and (self.advantage or self.preset("advantage")) not in ("gae", "vapo"):

@@ -23,14 +23,20 @@ PRIME_COLUMNS = ("prm_acc_before", "prm_acc_after", "prm_ce_loss", "process_rewa
                  "band_passing")  # fmt: skip
 
 
+# an off-policy lag: the rows' staleness and importance weights, and who waited for whom
+LAG_COLUMNS = ("staleness_max", "is_weight_mean", "is_ess", "is_clip_frac", "update_wait_s", "rollout_wait_s")
+
+
 def curve_row(iteration: int, metrics: dict[str, float], rollout: dict[str, float] | None = None) -> dict[str, Any]:
     """One iteration's row of the curve table (missing metrics are None); with a multi-turn rollout's metrics, its
-    tool columns and tool-call rate per family too; with a teacher, the distillation columns; with PRIME, the PRM's."""
+    tool columns and tool-call rate per family too; with a teacher, the distillation columns; with PRIME, the PRM's; with a lag, its own."""
     row = {"iteration": iteration, **{k: metrics.get(k) for k in CURVE_COLUMNS[1:]}}
     if "teacher_kl" in metrics:
         row |= {k: metrics.get(k) for k in DISTILL_COLUMNS}
     if "process_reward_mean" in metrics:
         row |= {k: metrics.get(k) for k in PRIME_COLUMNS}
+    if "staleness_max" in metrics:
+        row |= {k: metrics.get(k) for k in LAG_COLUMNS}
     if rollout is not None:
         row |= {k: rollout.get(k) for k in TOOL_COLUMNS}
         row |= {k: v for k, v in sorted(rollout.items()) if k.startswith("tool_call_rate/")}

@@ -70,46 +70,34 @@ def value_pretrain(
     )
 
 
-def _prm_key(stage: str):
+def _prm_task(stage: str, run, doc: str):
+    """PRIME's two stage tasks share their parameters: (cfg, scored, policy that sampled them, PRM, its reference)."""
+
     def key(p, store):
         return key_for(stage, PRMSettings.of(p["cfg"]), prm_inputs(p["scored"], p["policy"], p["prm"], p["reference"]))
 
-    return key
+    @stage_task(stage, key, run_name=f"{stage}[iter={{iteration}}]")
+    def prm_stage(
+        cfg: RLConfig,
+        scored: list[ArtifactRef],
+        policy: ArtifactRef,
+        prm: ArtifactRef,
+        reference: ArtifactRef,
+        iteration: int = 0,
+        store_root: str | None = None,
+        parent_run_id: str | None = None,
+        warm: WarmGroup | None = None,
+    ) -> ArtifactRef:
+        return run_core(
+            f"{stage}[iter={iteration}]", store_root, parent_run_id,
+            lambda store: run(cfg, scored, policy, prm, reference, store, warm),
+        )  # fmt: skip
+
+    prm_stage.__doc__ = doc
+    return prm_stage
 
 
-@stage_task(PRM_STAGE, _prm_key(PRM_STAGE), run_name="prm_update[iter={iteration}]")
-def prm_update(
-    cfg: RLConfig,
-    scored: list[ArtifactRef],
-    policy: ArtifactRef,
-    prm: ArtifactRef,
-    reference: ArtifactRef,
-    iteration: int = 0,
-    store_root: str | None = None,
-    parent_run_id: str | None = None,
-    warm: WarmGroup | None = None,
-) -> ArtifactRef:
-    """PRIME: PRM(k) from PRM(k-1) = `prm` on iteration k's scored rollouts (sampled by `policy`)."""
-    return run_core(
-        f"prm_update[iter={iteration}]", store_root, parent_run_id,
-        lambda store: run_prm_update(cfg, scored, policy, prm, reference, store, warm),
-    )  # fmt: skip
-
-
-@stage_task(PROCESS_STAGE, _prm_key(PROCESS_STAGE), run_name="process_rewards[iter={iteration}]")
-def process_rewards(
-    cfg: RLConfig,
-    scored: list[ArtifactRef],
-    policy: ArtifactRef,
-    prm: ArtifactRef,
-    reference: ArtifactRef,
-    iteration: int = 0,
-    store_root: str | None = None,
-    parent_run_id: str | None = None,
-    warm: WarmGroup | None = None,
-) -> ArtifactRef:
-    """PRIME: `prm`'s process rewards of iteration k's scored rollouts, for the `prime` advantage."""
-    return run_core(
-        f"process_rewards[iter={iteration}]", store_root, parent_run_id,
-        lambda store: run_process_rewards(cfg, scored, policy, prm, reference, store, warm),
-    )  # fmt: skip
+prm_update = _prm_task(PRM_STAGE, run_prm_update, "PRIME: PRM(k) from PRM(k-1) = `prm` on iteration k's rows.")
+process_rewards = _prm_task(
+    PROCESS_STAGE, run_process_rewards, "PRIME: `prm`'s process rewards of iteration k's rows, for the advantage."
+)

@@ -2,9 +2,11 @@
 
 A run killed (SIGKILL of the whole process) during iteration 2 and started again reuses every stage published before
 the kill and ends with the same final policy, bit for bit, as an uninterrupted run with the same seeds; a rerun of a
-finished run builds nothing. The run is the VLM demo's, shrunk (a tiny Qwen2-VL: pictures in the data, SFT and
-GRPO): resuming is the same for text, and images are where it could break (a digest that depends on how a picture was
-read, pixels the trainer sees differently from the engine).
+finished run builds nothing. The run is the VLM demo's, shrunk (a tiny Qwen2-VL: pictures in the data, SFT), with
+PRIME, the algorithm with the most stages per iteration (rollout -> score -> prm_update -> process_rewards ->
+rl_update), killed while its PRM updates: resuming is the same for text and GRPO, and images are where it could
+break (a digest that depends on how a picture was read, pixels the trainer or the PRM sees differently from the
+engine).
 """
 
 from __future__ import annotations
@@ -46,19 +48,21 @@ def _config(store: Path, **overrides):
 
 
 def _vlm_config(store: Path):
-    """`make demo-vlm`'s run, shrunk: 20 SFT steps, 2 GRPO iterations of 8 prompts x 4 samples."""
+    """`make demo-vlm`'s run, shrunk: 20 SFT steps, then 2 PRIME iterations of 8 prompts x 4 samples, of which the
+    accuracy band keeps 4 prompts (oversample_factor 2)."""
     from flows.vlm import vlm_config
-    from posttrain_core.config import EvalConfig, ScoreConfig
+    from posttrain_core.config import EvalConfig, PrimeConfig, ScoreConfig
 
     base = vlm_config()
+    prime = dict(algorithm="prime", prime=PrimeConfig(lr=1e-3), oversample_factor=2, micro_batch_size=8)
     return base.model_copy(
         update=dict(
             store=str(store),
             data=base.data.model_copy(update=dict(n_train=200, n_eval=16, n_rl_prompts=32)),
             sft=base.sft.model_copy(update=dict(max_steps=20, global_batch_size=16, micro_batch_size=8)),
             iterations=2,
-            rollout=base.rollout.model_copy(update=dict(n=4, max_prompts=8, max_tokens=6, num_engines=1)),
-            rl=base.rl.model_copy(update=dict(micro_batch_size=8)),
+            rollout=base.rollout.model_copy(update=dict(n=4, max_prompts=4, max_tokens=6, num_engines=1)),
+            rl=base.rl.model_copy(update=prime),
             # 20 SFT steps answer no question right yet: "says 'e'" is a reward with variance within groups.
             score=ScoreConfig(verifiers={"regex": 1.0, "exact_match": 0.0}, regex="e"),
             eval=EvalConfig(max_new_tokens=6, num_engines=1),
@@ -71,6 +75,7 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     from flows.rlhf import rlhf_flow
     from posttrain_core.artifacts import ArtifactStore
     from posttrain_core.data.io import read_dataset
+    from posttrain_core.models.loading import load_causal_lm
 
     # The killed run's process hashes posttrain_core into every stage key when it starts, this one did at its first
     # key: an edit to the code in between (during a long session) would make every stage of the rerun new.
@@ -78,21 +83,23 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     cfg = _vlm_config(tmp_path / "store")
     store = ArtifactStore(cfg.store)
 
-    # 1. Run in its own process; SIGKILL the process group once iteration 2's update has started building.
-    pid = kill_in_iteration_2(cfg, tmp_path / "killed.log")
-    assert stage_count(store, "rl_update") == 1, "the kill came too late: iteration 2's update finished"
+    # 1. Run in its own process; SIGKILL the process group once iteration 2's PRM update has started building.
+    pid = kill_in_iteration_2(cfg, tmp_path / "killed.log", stage="prm_update")
+    assert stage_count(store, "prm_update") == 1, "the kill came too late: iteration 2's PRM update finished"
     published = {ref.key for ref in store.list()}
 
-    # 2. Start it again: everything published before the kill is a cache hit; iteration 2's update runs.
+    # 2. Start it again: everything published before the kill is a cache hit; iteration 2's PRM update runs.
     state = rlhf_flow(cfg, return_state=True)
     result = state.result()
     states = task_states(state.state_details.flow_run_id)
-    for name in ("sft", "rollout[iter=1]", "score[iter=1]", "rl_update[iter=1]", "rollout[iter=2]", "score[iter=2]"):
+    for name in ("sft", "rollout[iter=1]", "score[iter=1]", "prm_update[iter=1]", "process_rewards[iter=1]",
+                 "rl_update[iter=1]", "rollout[iter=2]", "score[iter=2]"):  # fmt: skip
         assert states[name] == ["Cached"], (name, states)
-    assert states["rl_update[iter=2]"] == ["Completed"], states
+    for name in ("prm_update[iter=2]", "process_rewards[iter=2]", "rl_update[iter=2]"):
+        assert states[name] == ["Completed"], (name, states)
     assert published <= {ref.key for ref in store.list()}
     # The killed process could not end the runs it had open: the flow's, and those of iteration 2's stages whose
-    # records its background writer had not written yet (the update's, and the score's closing record if it was
+    # records its background writer had not written yet (the PRM update's, and the score's closing record if it was
     # still queued). The rerun marked them KILLED; nothing is left RUNNING. The rerun's own run: FINISHED.
     from posttrain_core import tracking
 
@@ -101,15 +108,15 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     runs = c.search_runs(exps, filter_string=f"tags.`posttrain.pid` = '{pid}'")
     ended = sorted((r.info.run_name.split("/")[0], r.info.status) for r in runs if r.info.status != "FINISHED")
     assert ("rlhf", "KILLED") in ended and {status for _, status in ended} == {"KILLED"}, ended
-    assert {name for name, _ in ended} <= {"rlhf", "score", "rl_update"}, ended
+    assert {name for name, _ in ended} <= {"rlhf", "score", "prm_update"}, ended
     assert c.get_run(result["mlflow_run_id"]).info.status == "FINISHED"
     assert stage_count(store, "rl_update") == 2 and stage_count(store, "rollout") == 2
     assert stage_count(store, "evaluate") == 2 and "accuracy" in result["eval"][0]  # before and after
 
-    # 3. The same final policy as an uninterrupted run with the same seeds, in a fresh store. In both, iteration 2's
-    # rollout was generated with update 1's weights in memory before they were published.
+    # 3. The same final policy and PRM as an uninterrupted run with the same seeds, in a fresh store. In both,
+    # iteration 2's rollout was generated with update 1's weights in memory before they were published.
     fresh = rlhf_flow(_vlm_config(tmp_path / "fresh"))
-    assert fresh["policy"].digest == result["policy"].digest
+    assert (fresh["policy"].digest, fresh["prm"].digest) == (result["policy"].digest, result["prm"].digest)
     assert fresh["curve"] == result["curve"]
     fresh_store = ArtifactStore(tmp_path / "fresh")
     loads = {
@@ -120,6 +127,21 @@ def test_rlhf_flow_killed_in_iteration_2_resumes_there(prefect_api, ray_session,
     built = {ref.key for ref in fresh_store.list()}
     assert rlhf_flow(_vlm_config(tmp_path / "fresh"))["policy"] == fresh["policy"]  # 4. a rerun: all cache hits
     assert {ref.key for ref in fresh_store.list()} == built
+
+    # PRIME: the band kept 4 of the 8 prompts sampled, and the update took the process rewards of those rows.
+    policy = store.manifest(result["policy"])
+    assert policy["metrics"]["band_prompts"] == 8 and policy["metrics"]["band_kept"] == 4
+    assert policy["metrics"]["samples"] == 16 and "process_reward_abs_mean" in policy["metrics"]
+    process = store.get(next(i["key"] for i in policy["inputs"] if i["name"] == "process"))
+    rows = read_dataset(store.local_path(process), "process_rewards").to_pylist()
+    assert len(rows) == 16 and all(len(r["process_rewards"]) == len(r["response_ids"]) for r in rows)
+    assert any(x != 0.0 for r in rows for x in r["process_rewards"])  # PRM(2) is no longer the reference
+    # The PRM: a model artifact with its lineage (both iterations' scores), loadable as any model.
+    prm = store.manifest(result["prm"])
+    assert prm["stage"] == "prm_update" and prm["objective"] == "implicit_prm" and "prm_ce_loss" in prm["metrics"]
+    assert [m.get("stage") for m in store.lineage(result["prm"])].count("prm_update") == 2
+    load_causal_lm(store.local_path(result["prm"]))
+    assert {"prm_ce_loss", "process_reward_abs_mean", "band_kept"} <= set(result["curve"][0])
 
     # The rollouts carry their prompts' pictures, which the trainer, fed the same pixels, scores as the engine did.
     scored = [store.get(i["key"]) for i in store.manifest(result["policy"])["inputs"] if i["name"].startswith("scored")]

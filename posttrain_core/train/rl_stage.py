@@ -173,6 +173,28 @@ def check_rl_inputs(
                          f"{process.uri}")  # fmt: skip
 
 
+def policy_version(store: ArtifactStore, policy: ArtifactRef) -> int:
+    """How many RL updates led to `policy` (0: a policy no update made, e.g. the SFT model)."""
+    if policy.external:
+        return 0
+    manifest = store.manifest(policy)
+    return int(manifest.get("version", 0)) if manifest.get("stage") == STAGE else 0
+
+
+def check_staleness(cfg: RLConfig, store: ArtifactStore, policy: ArtifactRef, sampler: ArtifactRef) -> int:
+    """Versions between the policy being updated and the one that sampled its rows; refused above
+    rl.max_staleness (default rl.rollout_lag), naming both. Rows are never dropped silently."""
+    staleness = policy_version(store, policy) - policy_version(store, sampler)
+    bound = cfg.rollout_lag if cfg.max_staleness is None else cfg.max_staleness
+    if staleness > bound:
+        raise ValueError(
+            f"{STAGE}: the rows were sampled by policy version {policy_version(store, sampler)} ({sampler.key[:12]}), "
+            f"{staleness} update(s) behind the policy being updated (version {policy_version(store, policy)}, "
+            f"{policy.key[:12]}); rl.max_staleness={bound} refuses them"
+        )
+    return staleness
+
+
 def critic_source(store: ArtifactStore, ref: ArtifactRef | None) -> NodePath | None:
     """The critic folder inside an update or value-pretraining artifact (None if it has none)."""
     if ref is None:
@@ -221,6 +243,9 @@ def run_rl_update(
     check_rl_inputs(cfg, scored, policy, store, teacher, process)
     rcfg = cfg.resolved()
     inputs = update_inputs(scored, policy, reference, critic, teacher, sampler, process)
+    version, staleness = policy_version(store, policy) + 1, 0
+    if rcfg.distill is None and sampler is not None:
+        staleness = check_staleness(rcfg, store, policy, sampler)
 
     def build(ctx: StageContext) -> StageOutput:
         batch, data_metrics = load_batch(store, scored, policy, rcfg, STAGE, teacher, sampler, process)
@@ -259,6 +284,8 @@ def run_rl_update(
         info = result.pop("model_info")
         uploaded = info.pop("uploaded", None)
         metrics = {**data_metrics, **driver_metrics, **{k: float(v) for k, v in result.items()}}
+        if rcfg.rollout_lag:
+            metrics |= {"staleness_mean": float(staleness), "staleness_max": float(staleness)}
         log.info("%s: %s", STAGE, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         manifest = {
             "objective": "rl",
@@ -270,6 +297,7 @@ def run_rl_update(
             "adapter": info.get("adapter", False),
             "critic": CRITIC_DIR if rcfg.uses_critic else None,
             "next_kl_coef": driver_metrics["next_kl_coef"],
+            "version": version,  # updates since the start policy (version 0); staleness is counted in these
         }
         return StageOutput(manifest=manifest, metrics=metrics, uploaded=uploaded)
 

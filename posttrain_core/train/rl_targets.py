@@ -58,6 +58,9 @@ def compute_targets(
            if pr is not None else {}),
     )  # fmt: skip
     adv, returns = ADVANTAGES[cfg.advantage](inputs)
+    off_policy = {}
+    if cfg.rollout_lag or cfg.off_policy != "none":
+        adv, off_policy = _correct(cfg, adv, old, pad(batch.logprobs, width), mask)
     if values is not None and returns is None:  # a critic under a critic-free estimator: Monte-Carlo targets
         _, returns = gae_advantages(token_rewards, values, mask, cfg.gamma, 1.0, whiten_advantages=False)
 
@@ -69,6 +72,7 @@ def compute_targets(
     }
     if values is not None:
         metrics["value_mean"] = float(masked_mean(values, mask))
+    metrics |= off_policy
     if teacher is not None:
         metrics |= teacher_metrics(batch, inputs.sampler_logp_B_T, teacher, mask, width)
     if process is not None:  # the PRM's credit as the update took it
@@ -99,6 +103,21 @@ def compute_targets(
     return targets, metrics
 
 
+def _correct(cfg: RLConfig, adv_B_T, prox_B_T, behaviour_B_T, mask_B_T):
+    """The advantages times the registered off-policy correction's weights (`algorithms.off_policy`), and its
+    metrics. `prox_B_T`: the old log-probs, recomputed with the update's starting weights."""
+    from posttrain_core.algorithms.off_policy import OFF_POLICY_CORRECTIONS, OffPolicyInputs, correction_metrics
+
+    if prox_B_T is None:
+        raise ValueError("rl_update: an off-policy correction needs the recomputed old log-probs")
+    inp = OffPolicyInputs(prox_B_T, behaviour_B_T, mask_B_T, cfg.is_cap, cfg.is_low, cfg.is_high)
+    weight_B_T = OFF_POLICY_CORRECTIONS[cfg.off_policy](inp)
+    if weight_B_T.shape != adv_B_T.shape or bool((weight_B_T < 0).any()):
+        raise ValueError(f"rl.off_policy={cfg.off_policy!r} must return a weight >= 0 per token, of shape "
+                         f"{tuple(adv_B_T.shape)}")  # fmt: skip
+    return adv_B_T * weight_B_T.to(adv_B_T.dtype), correction_metrics(inp, weight_B_T)
+
+
 def teacher_metrics(batch: RLBatch, sampler_B_T, teacher_B_T, mask_B_T, width: int) -> dict[str, float]:
     """teacher_kl: the per-token reverse-KL estimate E[log pi(y) - log pi_teacher(y)] over the sampled tokens; with
     top-k, teacher_mass: the teacher's probability mass on its top-k tokens, per token."""
@@ -122,5 +141,7 @@ def needs_old_logprobs(cfg: RLConfig, epochs: int, train_policy: bool, dropout: 
     """
     if not train_policy:
         return False
+    if cfg.rollout_lag or cfg.off_policy != "none":  # the proximal log-probs weigh the rows before the update
+        return True
     one_step = epochs * cfg.mini_batches == 1
     return dropout or not (one_step and cfg.kl_placement != "reward" and cfg.kl_target is None)
