@@ -328,6 +328,10 @@ def _kill(actors: Sequence[Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ warm actors
+_BUSY: dict[tuple[str, str], threading.RLock] = {}  # (group name, role) -> its lock (`WarmGroup.busy`)
+_BUSY_GUARD = threading.Lock()
+
+
 class WarmGroup:
     """The actors a flow run keeps alive between its stages, by role ("engines", "rl_update").
 
@@ -392,6 +396,13 @@ class WarmGroup:
         self._roles[role] = (spec, actors)
         return actors, True
 
+    def busy(self, role: str) -> threading.RLock:
+        """The lock a stage holds while it uses the actors of `role`: a flow may run stages in threads (an
+        off-policy lag's rollout beside the update and an evaluation), and one engine serves one policy at a time.
+        Kept outside the group, which travels as a task parameter."""
+        with _BUSY_GUARD:
+            return _BUSY.setdefault((self.name, role), threading.RLock())
+
     def find(self, role: str, spec: str, count: int) -> list[Any] | None:
         """The `count` actors of `role` started with `spec`, if the group has them (not checked, never started)."""
         held = self._roles.get(role)
@@ -410,3 +421,6 @@ class WarmGroup:
 
     def release(self) -> None:
         self.discard()
+        with _BUSY_GUARD:
+            for key in [k for k in _BUSY if k[0] == self.name]:
+                del _BUSY[key]

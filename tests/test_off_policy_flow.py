@@ -23,7 +23,8 @@ def _config(store: Path, iterations: int = 3, **rl):
     from posttrain_core.config import RLConfig
 
     rl = RLConfig(lr=1e-3, micro_batch_size=8, mini_batches=2, rollout_lag=1, off_policy="tis", **rl)
-    return rlhf_config(store, rl=rl, iterations=iterations, eval_samples=0)
+    # eval_every=2: iteration 2's evaluation and rollout 3 want the engines at once (they take turns, `WarmGroup.busy`)
+    return rlhf_config(store, rl=rl, iterations=iterations, eval_samples=0, eval_every=2)
 
 
 def test_a_lagged_run_samples_from_the_older_policy_resumes_bit_for_bit_and_bounds_staleness(

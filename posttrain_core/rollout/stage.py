@@ -116,14 +116,15 @@ def generate(
     """
     started = time.perf_counter()
     batches = engine_batches(table, batch_size, pool.spec.num_engines)
-    parts = pool.take_prefetched(policy.key, policy.digest, batches, params)
-    load: dict[str, Any] = {"action": "prefetched", "load_s": 0.0}
-    waited = time.perf_counter() - started
-    if parts is None:
-        load = pool.serve(model_path, policy.digest, params.seed)
-        generating = time.perf_counter()
-        parts = pool.generate(batches, params)
-        waited = time.perf_counter() - generating
+    with pool.warm.busy(pool.role):  # another stage of the flow, in another thread, waits for these engines
+        parts = pool.take_prefetched(policy.key, policy.digest, batches, params)
+        load: dict[str, Any] = {"action": "prefetched", "load_s": 0.0}
+        waited = time.perf_counter() - started
+        if parts is None:
+            load = pool.serve(model_path, policy.digest, params.seed)
+            generating = time.perf_counter()
+            parts = pool.generate(batches, params)
+            waited = time.perf_counter() - generating
     wall = time.perf_counter() - started
     ids = table.column("prompt_id").to_pylist()
     out = pa.concat_tables([t for t in parts if t.num_rows])
