@@ -68,6 +68,14 @@ GOOD = {
         "correct": [True, None],
         "parse_failed": [False, True],
     },
+    "process_rewards": {
+        **ROLLOUT,
+        "reward": [1.0, 0.0],
+        "reward_components": [[("exact_match", 1.0)], [("exact_match", 0.0)]],
+        "correct": [True, False],
+        "parse_failed": [False, False],
+        "process_rewards": [[0.01, -0.02, 0.0], [0.5]],
+    },
     "teacher_logprobs": {
         **ROLLOUT,
         "teacher_logprobs": [[-0.5, -1.5, -0.1], [-0.25]],
@@ -87,7 +95,7 @@ GOOD = {
 
 def good_table(kind: str) -> pa.Table:
     columns = dict(GOOD[kind])
-    if kind == "scored_rollouts":
+    if kind in ("scored_rollouts", "process_rewards"):
         columns["reward_components"] = pa.array(columns["reward_components"], pa.map_(pa.string(), pa.float64()))
     return pa.table(columns)  # inferred types: int64, double, ... are cast by validate_table
 
