@@ -11,7 +11,6 @@ or from Python, e.g. PPO from an existing checkpoint:
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -81,10 +80,8 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
                 samples, scored = _sample_and_score(config, store, data.prompts, sampler, rm, k, pid, w)
             rows_ready = time.time()
             if lag and k < config.iterations:  # rollout k + 1 samples with policy k - lag, beside update k
-                ahead[k + 1] = (
-                    policies[max(k - lag, 0)],
-                    _submit_next(config, store, data.prompts, policies[max(k - lag, 0)], rm, k + 1, pid, w),
-                )
+                behind = policies[max(k - lag, 0)]
+                ahead[k + 1] = (behind, _submit_next(config, store, data.prompts, behind, rm, k + 1, pid, w))
             scores = [teacher_logprobs(rl.distill, s, teacher, k, root, pid, w) for s in samples] if teacher else None
             nxt = None
             if k < config.iterations and not lag and (rl.distill is None or rl.distill.student_samples(k + 1, rl.seed)):
@@ -114,7 +111,7 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
             run.log_metrics({f"eval/{name}_{when}": v for name, v in evals[i].items()})
         accuracy = {k: e["accuracy"] for k, e in evals.items()}
         png = reports.plot_curve(
-            curve, accuracy, Path(root) / "reports" / f"rlhf-{pid}.png", f"{rl.algorithm}: reward per iteration"
+            curve, accuracy, store.reports_root / f"rlhf-{pid}.png", f"{rl.algorithm}: reward per iteration"
         )
         run.log_artifact(png)
 

@@ -75,6 +75,7 @@ def main() -> None:
         "digest": result["policy"].digest,
         "policy": result["policy"].key,
         "wall_s": wall,
+        "curve_png": result["curve_png"],
         "probes": probes[:-1],  # the other nodes
         "head": probes[-1],
         "driver_cache": str(store.cache_root),

@@ -80,6 +80,10 @@ def test_rlhf_flow_on_two_nodes_sharing_no_folder(prefect_api, ray_session, s3, 
         # The lost node is named, and the update was retried without it.
         assert "the lost rank ran on node" in log and f"({WORKER_IP})" in log.split("the lost rank ran on node")[1][:40]
         assert run["digest"] == one_node["policy"].digest
+        # The reward curve of a run on S3: a file on the flow's machine, under its cache folder (not a folder
+        # named after the URI in the working directory).
+        assert Path(run["curve_png"]).is_file() and Path(run["curve_png"]).is_relative_to(tmp_path / "driver-cache")
+        assert not (REPO / "s3:").exists()
 
         # The node comes back (a fresh /tmp: an empty cache); a rerun builds nothing and ends on the same policy.
         nodes.kill_worker()

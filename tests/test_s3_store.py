@@ -23,6 +23,7 @@ def test_stages_publish_to_and_read_through_an_s3_store(s3, tmp_path, monkeypatc
     assert base.uri.startswith(root + "/artifacts/") and (store.cache_root / data.text.key / "manifest.json").exists()
     assert store.manifest(base)["inputs"][0]["key"] == data.text.key  # lineage through the S3 store
     assert (store.local_path(base) / "config.json").exists()
+    assert store.reports_root.is_relative_to(tmp_path / "node-cache")  # pictures stay on this machine
 
     again = ArtifactStore(root, workdir=tmp_path / "another-machine")  # nothing cached there
     assert run_prepare_data(DataConfig(n_train=60, n_eval=8, n_rl_prompts=16), again) == data

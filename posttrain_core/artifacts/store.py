@@ -80,6 +80,11 @@ class ArtifactStore:
         else:
             base = Path(setting("POSTTRAIN_CACHE_DIR") or Path.home() / ".cache" / "posttrain").expanduser().resolve()
             self.staging_root, self.cache_root = base / "staging" / root_sha, base / "cache"
+        # Pictures a flow draws for people (reward curves): in the store when it is a folder, else on this machine
+        # beside the staging (they also reach MLflow as run artifacts).
+        self.reports_root = (
+            Path(self._root) / "reports" if self.is_local else self.staging_root.parent.parent / "reports" / root_sha
+        )
 
     def __repr__(self) -> str:
         return f"ArtifactStore({self.root!r})"
