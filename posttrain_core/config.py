@@ -599,7 +599,7 @@ class RLConfig(_Config):
         defaults = {"critic_lam": self.lam, "nll_coef": 0.0, "dynamic_sampling": False, "value_pretrain_steps": 0}
         update = {}
         names = ("advantage", "critic", "policy_loss", "clip_low", "clip_high", "loss_agg", "kl_placement",
-                 "kl_estimator", "kl_coef")  # fmt: skip
+                 "kl_estimator", "kl_coef", "accuracy_band")  # fmt: skip
         for name in (*names, *defaults):
             if getattr(self, name) is None:
                 value = self.preset(name)
@@ -613,8 +613,6 @@ class RLConfig(_Config):
             update["distill"] = self.distill.model_copy(update={"loss_coef": coef})
         if self.prime is None and update.get("advantage", self.advantage) == "prime":
             update["prime"] = PrimeConfig()
-        if self.accuracy_band is None and self.preset("accuracy_band") is not None:
-            update["accuracy_band"] = self.preset("accuracy_band")
         if self.distill is not None and is_reference(self.distill.divergence):
             d = update.get("distill", self.distill)
             update["distill"] = d.model_copy(update={"divergence": absolute(d.divergence)})

@@ -29,7 +29,8 @@ LAG_COLUMNS = ("staleness_max", "is_weight_mean", "is_ess", "is_clip_frac", "upd
 
 def curve_row(iteration: int, metrics: dict[str, float], rollout: dict[str, float] | None = None) -> dict[str, Any]:
     """One iteration's row of the curve table (missing metrics are None); with a multi-turn rollout's metrics, its
-    tool columns and tool-call rate per family too; with a teacher, the distillation columns; with PRIME, the PRM's; with a lag, its own."""
+    tool columns and tool-call rate per family too; with a teacher, the distillation columns; with PRIME, the
+    PRM's; with an off-policy lag, its own."""
     row = {"iteration": iteration, **{k: metrics.get(k) for k in CURVE_COLUMNS[1:]}}
     if "teacher_kl" in metrics:
         row |= {k: metrics.get(k) for k in DISTILL_COLUMNS}

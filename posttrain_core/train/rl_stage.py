@@ -184,13 +184,14 @@ def policy_version(store: ArtifactStore, policy: ArtifactRef) -> int:
 def check_staleness(cfg: RLConfig, store: ArtifactStore, policy: ArtifactRef, sampler: ArtifactRef) -> int:
     """Versions between the policy being updated and the one that sampled its rows; refused above
     rl.max_staleness (default rl.rollout_lag), naming both. Rows are never dropped silently."""
-    staleness = policy_version(store, policy) - policy_version(store, sampler)
+    current, behind = policy_version(store, policy), policy_version(store, sampler)
+    staleness = current - behind
     bound = cfg.rollout_lag if cfg.max_staleness is None else cfg.max_staleness
     if staleness > bound:
         raise ValueError(
-            f"{STAGE}: the rows were sampled by policy version {policy_version(store, sampler)} ({sampler.key[:12]}), "
-            f"{staleness} update(s) behind the policy being updated (version {policy_version(store, policy)}, "
-            f"{policy.key[:12]}); rl.max_staleness={bound} refuses them"
+            f"{STAGE}: the rows were sampled by policy version {behind} ({sampler.key[:12]}), {staleness} update(s) "
+            f"behind the policy being updated (version {current}, {policy.key[:12]}); rl.max_staleness={bound} "
+            "refuses them"
         )
     return staleness
 

@@ -45,8 +45,6 @@ def compute_targets(
         raise ValueError(f"rl_update: algorithm '{cfg.algorithm}' needs a critic")
     teacher = pad(batch.teacher_logp, width) if batch.teacher_logp is not None else None
     process = pad(batch.process_rewards, width) if batch.process_rewards is not None else None
-    if cfg.advantage == "prime" and process is None:
-        raise ValueError("rl_update: the 'prime' advantage needs the PRM's process rewards (a process_rewards stage)")
     d, pr = cfg.distill, cfg.prime
     inputs = AdvantageInputs(
         token_rewards, mask, groups, values, cfg.gamma, cfg.lam, cfg.critic_lam, cfg.vapo_alpha,
