@@ -23,7 +23,7 @@ def sampled_curve(config, policies) -> list[float]:
     """Held-out sampled pass@1 of each policy (cached evaluate stages: the flow's own final one is reused)."""
     from flows.rlhf import sampled_eval_config
     from posttrain_core.artifacts import ArtifactStore
-    from posttrain_core.cluster import WarmGroup
+    from posttrain_core.warm import WarmGroup
     from tasks.data import prepare_data
     from tasks.evaluate import evaluate
 

@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from flows import tracked
 from posttrain_core import reports, tracking
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import DataConfig, EvalConfig
 from posttrain_core.models.build import LATEST, stored_model
 from posttrain_core.serve.checkpoints import PREFIX as TINKER
+from posttrain_core.warm import WarmGroup
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 
@@ -96,8 +96,8 @@ def eval_flow(config: EvalFlowConfig = EvalFlowConfig()) -> dict[str, Any]:  # n
     if not models:
         raise ValueError(f"models: none of {config.models} names a model in {store.root}")
     root = str(store.root)
-    with tracked("eval", config, root) as run, WarmGroup.owned("eval") as warm:
-        pid = run.run_id
+    with tracked("eval", config, root) as run:
+        pid, warm = run.run_id, WarmGroup.process()
         data = prepare_data(config.data, root, pid)
         rows = []
         for i, (spec, model) in enumerate(zip(specs, models, strict=True)):

@@ -19,10 +19,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from flows import tracked
 from posttrain_core import reports, tracking
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import EvalConfig, ModelConfig, RLHFFlowConfig
 from posttrain_core.train.rl_plan import check_dynamic_sampling, informative_groups, iteration_rollout, score_config_for
 from posttrain_core.train.rl_stage import NextRollout
+from posttrain_core.warm import WarmGroup
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 from tasks.models import build_model
@@ -42,9 +42,9 @@ def rlhf_flow(config: RLHFFlowConfig = RLHFFlowConfig()) -> dict[str, Any]:  # n
     root = str(store.root)
     rl = config.rl.resolved()
     score_cfg = score_config_for(rl, config.score, config.rollout)
-    # Engines and update ranks stay warm from one stage to the next, and die with this flow run.
-    with tracked("rlhf", config, root, {"posttrain.algorithm": rl.algorithm}) as run, WarmGroup.owned("rlhf") as warm:
-        pid, w = run.run_id, warm
+    # Engines and training ranks stay warm from one stage (and flow run) of this process to the next (`warm`).
+    with tracked("rlhf", config, root, {"posttrain.algorithm": rl.algorithm}) as run:
+        pid, w = run.run_id, WarmGroup.process()
 
         data = prepare_data(config.data, root, pid)
         start = build_model(config.model, data.text, root, pid)

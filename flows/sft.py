@@ -17,8 +17,8 @@ from prefect.artifacts import create_markdown_artifact
 from flows import tracked
 from posttrain_core import tracking
 from posttrain_core.artifacts import ArtifactStore
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import SFTFlowConfig
+from posttrain_core.warm import WarmGroup
 from tasks.data import prepare_data
 from tasks.evaluate import evaluate
 from tasks.models import build_model
@@ -30,8 +30,8 @@ def sft_flow(config: SFTFlowConfig = SFTFlowConfig()) -> dict[str, Any]:  # noqa
     store = ArtifactStore(config.store)
     store.check_writable()  # a store that cannot take artifacts fails here, before any work
     root = str(store.root)
-    with tracked("sft", config, root) as run, WarmGroup.owned("sft") as warm:
-        pid = run.run_id
+    with tracked("sft", config, root) as run:
+        pid, warm = run.run_id, WarmGroup.process()
 
         data = prepare_data(config.data, root, pid)
         base = build_model(config.model, data.text, root, pid)

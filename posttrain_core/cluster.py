@@ -3,21 +3,18 @@
 - `connect()` starts Ray on this machine, or joins `$RAY_ADDRESS`.
 - `WorkerGroup` places N `RankActor`s, wires them into one process group and calls coarse methods of their role
   object on all of them (a single controller), failing fast when one dies.
-- `WarmGroup` holds the actors a flow run keeps alive between its stages (rollout engines, RL update ranks): the
-  flow owns it and hands it to each stage, and releases the actors when it ends.
+- Actors that outlive a stage (rollout engines, training ranks) are held by `warm.WarmGroup`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -113,7 +110,26 @@ class RankActor:
         self.rank, self.world = rank, world_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         keep_freed_memory()
-        self.role = role(rank, world_size)
+        self.role: Any = role(rank, world_size)
+
+    def become(self, role: type) -> None:
+        """Host a `role` object (kept when it already is one): a warm rank trains an SFT stage, then RL updates, in
+        the same process and process group. The old role's models and optimizers are dropped first."""
+        if type(self.role) is not role:
+            self.drop()
+            self.role = role(self.rank, self.world)
+
+    def drop(self) -> None:
+        """Drop the role and what it holds (the process stays, warm); step metrics it left unread go with it."""
+        import gc
+
+        from posttrain_core.tracking.relay import take_posted
+
+        if hasattr(self.role, "release"):
+            self.role.release()
+        self.role = None
+        gc.collect()
+        take_posted()
 
     def rendezvous(self) -> tuple[str, int, str]:
         """(ip, free port, node id) of this rank's node: rank 0's address is the group's rendezvous."""
@@ -193,6 +209,14 @@ class WorkerGroup:
         group._wait([a.setup.remote(addr, port) for a in group.actors])
         return group
 
+    def become(self, role: type) -> None:
+        """Make every rank host a `role` object (`RankActor.become`)."""
+        self._wait([a.become.remote(role) for a in self.actors])
+
+    def drop(self) -> None:
+        """Make every rank drop its role (`RankActor.drop`)."""
+        self._wait([a.drop.remote() for a in self.actors])
+
     def metrics_source(self) -> Callable[[], list]:
         """A function returning what rank 0's role posted since the last call (`tracking.MetricsRelay.source`)."""
         import ray
@@ -241,7 +265,7 @@ class WorkerGroup:
         return ray.get(refs)
 
     def shutdown(self) -> None:
-        _kill(self.actors)
+        kill(self.actors)
         self.actors = []
 
 
@@ -317,7 +341,7 @@ def _name_lost_node(err: Exception) -> None:
     log.error("%s: %s", type(err).__name__, note)
 
 
-def _kill(actors: Sequence[Any]) -> None:
+def kill(actors: Sequence[Any]) -> None:
     import ray
 
     for actor in actors:
@@ -325,102 +349,3 @@ def _kill(actors: Sequence[Any]) -> None:
             ray.kill(actor, no_restart=True)
         except Exception as err:  # already dead, or Ray shut down first
             log.debug("kill: %s", err)
-
-
-# ------------------------------------------------------------------------------------------------ warm actors
-_BUSY: dict[tuple[str, str], threading.RLock] = {}  # (group name, role) -> its lock (`WarmGroup.busy`)
-_BUSY_GUARD = threading.Lock()
-
-
-class WarmGroup:
-    """The actors a flow run keeps alive between its stages, by role ("engines", "rl_update").
-
-    Starting actors (a process, torch or vLLM imports, the process group, a model) costs seconds on every RL
-    iteration. The flow run creates one group (`owned`) and hands it to each stage; a stage asks it for the actors
-    of a role (`get`): they are started on first use, started again when the stage's settings (`spec`) differ from
-    theirs or when one of them no longer answers (a fault in an earlier stage), and otherwise reused as they are. A
-    stage never relies on what a warm actor holds without checking it: it loads every input from the store by
-    digest, and a warm actor only skips the load when it already holds that digest.
-
-    The group holds the actors' handles, and with them their lives: Ray ends an actor once no handle to it is left.
-    So the actors die with the group's owner (a crashed flow leaves none behind; the resumed run starts new ones from
-    the latest published artifacts), and `release()` (the end of `owned`) kills them at once. They reserve no Ray
-    CPUs: an idle warm actor must not block other stages' work; each sets its own thread count instead.
-    """
-
-    def __init__(self, purpose: str = "flow"):
-        self.name = f"{purpose}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._roles: dict[str, tuple[str, list[Any]]] = {}  # role -> (spec, actor handles)
-
-    @classmethod
-    @contextlib.contextmanager
-    def owned(cls, purpose: str) -> Iterator[WarmGroup]:
-        """A new group for the caller's lifetime (a flow run, or one stage run alone), released on exit."""
-        group = cls(purpose)
-        try:
-            yield group
-        finally:
-            group.release()
-
-    @classmethod
-    @contextlib.contextmanager
-    def use(cls, group: WarmGroup | None, purpose: str) -> Iterator[WarmGroup]:
-        """`group` (a flow run's, not released here), or, for None, a new one for this block."""
-        if group is not None:
-            yield group
-            return
-        with cls.owned(purpose) as own:
-            yield own
-
-    def get(self, role: str, spec: str, count: int, start: Callable[[], list[Any]]) -> tuple[list[Any], bool]:
-        """The `count` actors of `role`, and whether they were just started.
-
-        Args:
-            role: what the actors do ("engines", "rl_update").
-            spec: the settings they were started with; other settings start new actors.
-            count: how many.
-            start: starts the actors and returns their handles, in order.
-        """
-        import ray
-
-        actors = self.find(role, spec, count)
-        if actors is not None:
-            try:
-                ray.get([a.__ray_ready__.remote() for a in actors])
-                return actors, False
-            except ray.exceptions.RayActorError as err:
-                log.warning("warm group %s: a %s actor is gone (%s); starting new ones", self.name, role, err)
-        self.discard(role)
-        log.info("warm group %s: starting %d %s actors", self.name, count, role)
-        actors = start()
-        self._roles[role] = (spec, actors)
-        return actors, True
-
-    def busy(self, role: str) -> threading.RLock:
-        """The lock a stage holds while it uses the actors of `role`: a flow may run stages in threads (an
-        off-policy lag's rollout beside the update and an evaluation), and one engine serves one policy at a time.
-        Kept outside the group, which travels as a task parameter."""
-        with _BUSY_GUARD:
-            return _BUSY.setdefault((self.name, role), threading.RLock())
-
-    def find(self, role: str, spec: str, count: int) -> list[Any] | None:
-        """The `count` actors of `role` started with `spec`, if the group has them (not checked, never started)."""
-        held = self._roles.get(role)
-        return held[1] if held is not None and held[0] == spec and len(held[1]) == count else None
-
-    def members(self, role: str) -> list[Any]:
-        """The handles of the actors of `role` (empty when there are none)."""
-        held = self._roles.get(role)
-        return list(held[1]) if held is not None else []
-
-    def discard(self, role: str | None = None) -> None:
-        """Kill the actors of `role` (every role when None)."""
-        for name in [role] if role is not None else list(self._roles):
-            _, actors = self._roles.pop(name, (None, []))
-            _kill(actors)
-
-    def release(self) -> None:
-        self.discard()
-        with _BUSY_GUARD:
-            for key in [k for k in _BUSY if k[0] == self.name]:
-                del _BUSY[key]

@@ -15,13 +15,13 @@ import pyarrow as pa
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.artifacts.node import node_path
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import EvalConfig, ScoreConfig
 from posttrain_core.plugins import is_reference
 from posttrain_core.rewards.score import check_score_config, score_rollouts
 from posttrain_core.rollout.engine import SamplingSettings
 from posttrain_core.rollout.pool import EnginePool, EngineSpec
 from posttrain_core.stage import StageContext, StageOutput, run_stage
+from posttrain_core.warm import WarmGroup
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,9 @@ def run_evaluate(
             tools=tool_settings(cfg.tools),
         )  # fmt: skip
         spec = EngineSpec(cfg.engine, "float32", cfg.num_engines)
-        with WarmGroup.use(warm, STAGE) as group:
-            rows, _, _ = generate(
-                EnginePool(group, spec), table, model, node_path(store, model), params, cfg.batch_size, STAGE
-            )
+        rows, _, _ = generate(
+            EnginePool(WarmGroup.use(warm), spec), table, model, node_path(store, model), params, cfg.batch_size, STAGE
+        )
         scored = score_rollouts(rows, score_cfg)
         if scored.column("correct").null_count == scored.num_rows:
             raise ValueError(

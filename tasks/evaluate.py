@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from posttrain_core.artifacts import ArtifactRef
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import EvalConfig
 from posttrain_core.evaluate import STAGE, run_evaluate
 from posttrain_core.stage import key_for
+from posttrain_core.warm import WarmGroup
 from tasks.common import run_core, stage_task
 
 

@@ -4,7 +4,6 @@ PRM update and process rewards."""
 from __future__ import annotations
 
 from posttrain_core.artifacts import ArtifactRef
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import RLConfig
 from posttrain_core.stage import key_for
 from posttrain_core.train.prm import SCORE_STAGE as PROCESS_STAGE
@@ -18,6 +17,7 @@ from posttrain_core.train.rl_stage import (
     run_value_pretrain,
     update_inputs,
 )
+from posttrain_core.warm import WarmGroup
 from tasks.common import run_core, stage_task
 
 

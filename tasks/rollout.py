@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from posttrain_core.artifacts import ArtifactRef
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import DistillConfig, RolloutConfig, ScoreConfig
 from posttrain_core.rewards.score import STAGE as SCORE_STAGE
 from posttrain_core.rewards.score import run_score, score_inputs
@@ -12,6 +11,7 @@ from posttrain_core.rollout.stage import rollout_inputs, run_rollout
 from posttrain_core.rollout.teacher import STAGE as TEACHER_STAGE
 from posttrain_core.rollout.teacher import run_teacher_logprobs, teacher_inputs
 from posttrain_core.stage import key_for
+from posttrain_core.warm import WarmGroup
 from tasks.common import run_core, stage_task
 
 

@@ -161,7 +161,7 @@ def vllm_warm(ray_session):
     vLLM engine actor (start-up is the expensive part), which takes each stage's policy as a flow run's engines do.
     A stage that must start its own engines runs without it. Released with the module: an idle vLLM engine holds
     gigabytes that the session's later tests (the real-model service above all) ran measurably slower without."""
-    from posttrain_core.cluster import WarmGroup
+    from posttrain_core.warm import WarmGroup
 
     with WarmGroup.owned("tests") as group:
         yield group

@@ -27,12 +27,11 @@ def sampled(tiny_inputs, ray_session):
 
 @pytest.fixture(scope="module")
 def ranks(ray_session):
-    """The update's Ray ranks, started once for the module and handed to every update as a flow run hands its own
-    (`warm=`): each update still loads its policy from the store unless the ranks built it."""
-    from posttrain_core.cluster import WarmGroup
+    """The process's warm group, handed to every update as a flow run hands it (`warm=`): each update still loads its
+    policy from the store unless the ranks built it."""
+    from posttrain_core.warm import WarmGroup
 
-    with WarmGroup.owned("tests-rl-update") as group:
-        yield group
+    return WarmGroup.process()
 
 
 def _scored_with(store, rollouts, rewards_of, name: str):
@@ -136,11 +135,11 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
     in a warm group from the ranks' memory, with the same bits as fresh ranks that reload it from the artifact."""
     import torch
 
-    from posttrain_core.cluster import WarmGroup
     from posttrain_core.config import RLConfig, RolloutConfig
     from posttrain_core.rollout.stage import run_rollout
     from posttrain_core.train.rl_stage import run_rl_update
     from posttrain_core.train.rl_state import STATE_FILE
+    from posttrain_core.warm import RANKS, WarmGroup
 
     store, base, rollouts = sampled
     scored = _scored_with(store, rollouts, lambda k: float(k == 0), "first")
@@ -148,7 +147,7 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
     rollout_cfg = RolloutConfig(n=4, max_prompts=6, max_tokens=6, num_engines=1, batch_size=8, seed=4)
     with WarmGroup.owned("test") as warm:
         a = run_rl_update(cfg, [scored], base, base, store, warm=warm)
-        ranks = warm.members("rl_update")
+        ranks = warm.members(RANKS)
         assert run_rl_update(cfg, [scored], base, base, store, warm=warm) == a  # cache hit
         assert store.manifest(a)["metrics"]["optimizer_steps"] == 1
         state = torch.load(store.local_path(a) / STATE_FILE, weights_only=False)
@@ -159,8 +158,8 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
         b = run_rl_update(cfg, [second], a, base, store, warm=warm)
         metrics = store.manifest(b)["metrics"]
         assert metrics["optimizer_steps"] == 2 and metrics["continued_in_memory"] == 1.0
-        assert warm.members("rl_update") == ranks  # the same ranks did both updates
-    assert warm.members("rl_update") == []  # released with the group
+        assert warm.members(RANKS) == ranks  # the same ranks did both updates
+    assert warm.members(RANKS) == []  # released with the group
 
     store.delete(b.key)  # the same update by fresh ranks that load policy, reference and optimizer from `a`
     reloaded = run_rl_update(cfg, [second], a, base, store)

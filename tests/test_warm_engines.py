@@ -60,12 +60,14 @@ def _dies(actor, within_s: float = 60.0) -> bool:
 
 
 def _fresh_rows(cfg: RolloutConfig, tiny_inputs, policy_b, root) -> list[tuple]:
-    """Policy B's rows from engines started for a stage alone (released with it): what warm engines must give."""
+    """Policy B's rows from engines started for this stage alone (a group of its own): what warm engines must give."""
     from posttrain_core.artifacts import ArtifactStore
     from posttrain_core.rollout.stage import run_rollout
+    from posttrain_core.warm import WarmGroup
 
     store = ArtifactStore(root)
-    ref = run_rollout(cfg, tiny_inputs[1].eval, policy_b, store)
+    with WarmGroup.owned("fresh") as group:
+        ref = run_rollout(cfg, tiny_inputs[1].eval, policy_b, store, warm=group)
     assert store.manifest(ref)["engine_load"] == "started"
     return _rows(store, ref)
 
@@ -85,8 +87,8 @@ def _check_pool(
     import ray
 
     from posttrain_core.artifacts import ArtifactStore
-    from posttrain_core.cluster import WarmGroup
     from posttrain_core.rollout.stage import run_rollout
+    from posttrain_core.warm import WarmGroup
 
     _, data, base = tiny_inputs
     warm = ArtifactStore(tmp_path / "warm")
@@ -155,9 +157,9 @@ def test_hf_pool_prefetch_gives_the_rows_of_the_published_policy(
     import ray
 
     from posttrain_core.artifacts import ArtifactStore
-    from posttrain_core.cluster import WarmGroup
     from posttrain_core.models.loading import load_causal_lm
     from posttrain_core.rollout.stage import prefetch_rollout, run_rollout
+    from posttrain_core.warm import WarmGroup
 
     _, data, base = tiny_inputs
     cfg, expected = HF_CFG, hf_rows_b

@@ -27,9 +27,9 @@ from typing import Any
 import pyarrow as pa
 
 from posttrain_core.artifacts.node import NodePath
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.rollout.engine import SamplingSettings
 from posttrain_core.rollout.worker import PENDING, RolloutWorker
+from posttrain_core.warm import WarmGroup
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from posttrain_core.artifacts.node import NodePath, node_path
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.plugins import absolute
 from posttrain_core.rollout.engine import SamplingSettings, policy_lengths
 from posttrain_core.rollout.environments import Environments
@@ -23,6 +22,7 @@ from posttrain_core.rollout.pool import EnginePool, EngineSpec
 from posttrain_core.rollout.prompts import check_context, engine_batches, prompt_families, prompt_meta, select_prompts
 from posttrain_core.rollout.tools import ToolBox
 from posttrain_core.rollout.worker import ENGINE_SECONDS
+from posttrain_core.warm import WarmGroup
 
 if TYPE_CHECKING:
     from posttrain_core.artifacts import ArtifactRef, ArtifactStore
@@ -189,11 +189,10 @@ def run_rollout(
     table = check_rollout_inputs(cfg, prompts, policy, store)
 
     def build(ctx: StageContext) -> StageOutput:
-        with WarmGroup.use(warm, STAGE) as group:
-            out, metrics, action = generate(
-                EnginePool(group, EngineSpec.of(cfg)), table, policy, node_path(store, policy),
-                sampling_settings(cfg), cfg.batch_size,
-            )  # fmt: skip
+        out, metrics, action = generate(
+            EnginePool(WarmGroup.use(warm), EngineSpec.of(cfg)), table, policy, node_path(store, policy),
+            sampling_settings(cfg), cfg.batch_size,
+        )  # fmt: skip
         write_dataset(out, "rollouts", ctx.outdir)
         log.info(
             "%s: %d samples of %d prompts, %.0f tokens/s (%.0f with loading), mean length %.1f", STAGE,

@@ -22,11 +22,11 @@ import pyarrow as pa
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.artifacts.node import node_path
-from posttrain_core.cluster import WarmGroup
 from posttrain_core.config import DistillConfig
 from posttrain_core.data.schemas import SCHEMAS
 from posttrain_core.rollout.engine import TEACHER_COLUMNS
 from posttrain_core.rollout.pool import EnginePool, EngineSpec
+from posttrain_core.warm import WarmGroup
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,9 @@ def run_teacher_logprobs(
     def build(ctx: StageContext) -> StageOutput:
         table = read_dataset(store.local_path(rollouts), rollouts.schema_kind).select(_ROLLOUT_NAMES)
         started = time.perf_counter()
-        with WarmGroup.use(warm, STAGE) as group:
-            pool = EnginePool(group, EngineSpec.of(scoring), role=ROLE)
-            load = pool.serve(node_path(store, teacher), teacher.digest)
-            parts = pool.score(score_batches(table, scoring.batch_size), scoring.topk)
+        pool = EnginePool(WarmGroup.use(warm), EngineSpec.of(scoring), role=ROLE)
+        load = pool.serve(node_path(store, teacher), teacher.digest)
+        parts = pool.score(score_batches(table, scoring.batch_size), scoring.topk)
         seconds = time.perf_counter() - started
         scored, out = pa.concat_tables(parts), table
         for name in TEACHER_COLUMNS:

@@ -23,12 +23,13 @@ from pydantic import BaseModel
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.artifacts.node import node_path, outbox_of
-from posttrain_core.cluster import WarmGroup, split
+from posttrain_core.cluster import split
 from posttrain_core.config import LoraConfig, PrimeConfig, RLConfig
 from posttrain_core.stage import StageContext, StageOutput, run_stage
 from posttrain_core.train.rl_batch import RLBatch, RLJob, chunks, encode, load_batch
 from posttrain_core.train.rl_state import STATE_FILE
 from posttrain_core.train.rl_worker import RLWorker
+from posttrain_core.warm import WarmGroup
 
 log = logging.getLogger(__name__)
 

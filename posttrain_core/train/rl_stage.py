@@ -20,13 +20,14 @@ from pydantic import BaseModel
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
 from posttrain_core.artifacts.node import NodePath, node_path, outbox_of
-from posttrain_core.cluster import WarmGroup, WorkerGroup, split
+from posttrain_core.cluster import WorkerGroup, split
 from posttrain_core.config import RLConfig, RolloutConfig
 from posttrain_core.stage import StageContext, StageOutput, run_stage
 from posttrain_core.train.rl_batch import Prepared, RLBatch, RLJob, load_batch
 from posttrain_core.train.rl_state import CRITIC_DIR, STATE_FILE
 from posttrain_core.train.rl_targets import compute_targets, needs_old_logprobs
 from posttrain_core.train.rl_worker import RLWorker
+from posttrain_core.warm import RANKS, WarmGroup
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +46,12 @@ class NextRollout(BaseModel):
 # -------------------------------------------------------------------------------------------------- the ranks
 @contextlib.contextmanager
 def ranks_of(
-    warm: WarmGroup | None, num_workers: int, role: str = STAGE, cls: type = RLWorker
+    warm: WarmGroup | None, num_workers: int, role: str = RANKS, cls: type = RLWorker
 ) -> Iterator[WorkerGroup]:
-    """A stage's ranks of `role` (each a `cls`): the warm group's (kept for the next stage of that role after a
-    success), or this stage's own."""
-
-    def start() -> list[Any]:
-        return WorkerGroup.start(cls, num_workers, num_cpus=0).actors
-
-    with WarmGroup.use(warm, role) as group:
-        actors, _ = group.get(role, f"w{num_workers}", num_workers, start)
-        ranks = WorkerGroup(actors)
-        try:
-            yield ranks
-        except BaseException:
-            group.discard(role)  # a failed update leaves no half-updated ranks behind
-            raise
+    """A stage's ranks of `role`, each hosting a `cls` (`WarmGroup.ranks`); after a success each keeps its models for
+    an update that continues from the artifact it built."""
+    with WarmGroup.use(warm).ranks(cls, num_workers, role) as ranks:
+        yield ranks
         ranks.run("keep")
 
 

@@ -175,8 +175,8 @@ def launch(role: type, job_type: type, ctx: StageContext, batch_unit: str = "seq
         batch_unit: what a global batch counts, for the log line.
     """
     from posttrain_core.artifacts.node import outbox_of
-    from posttrain_core.cluster import WorkerGroup
     from posttrain_core.tracking import MetricsRelay
+    from posttrain_core.warm import WarmGroup
 
     relay = MetricsRelay(ctx.tracker)
     job = job_type(
@@ -194,9 +194,8 @@ def launch(role: type, job_type: type, ctx: StageContext, batch_unit: str = "seq
         cfg.micro_batch_size,
         cfg.grad_accum_steps,
     )
-    group = WorkerGroup.start(role, cfg.num_workers)
-    relay.source = group.metrics_source()
-    try:
-        return group.run("train", job, poll=relay.pump)[0]
-    finally:
-        group.shutdown()
+    with WarmGroup.process().ranks(role, cfg.num_workers) as group:
+        relay.source = group.metrics_source()
+        result = group.run("train", job, poll=relay.pump)[0]
+        group.drop()  # the ranks stay warm for the next stage, without this one's model and optimizer
+    return result
