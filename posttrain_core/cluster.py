@@ -125,10 +125,14 @@ class RankActor:
 
         from posttrain_core.tracking.relay import take_posted
 
+        import torch
+
         if hasattr(self.role, "release"):
             self.role.release()
         self.role = None
         gc.collect()
+        if torch.cuda.is_available():  # an idle rank keeps no GPU memory cached for the next role
+            torch.cuda.empty_cache()
         take_posted()
 
     def rendezvous(self) -> tuple[str, int, str]:

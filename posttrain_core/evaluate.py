@@ -34,7 +34,7 @@ def run_evaluate(
     """Accuracy of `model` on the prompts of a `prompts` dataset that have an answer (`cfg.verifier`).
 
     Args:
-        warm: the flow run's warm group, whose engines this stage uses (and leaves running); None: its own.
+        warm: the warm group whose engines this stage uses (and leaves running); None: the process's.
     """
     from posttrain_core.data.io import read_dataset
     from posttrain_core.models.loading import check_model_path

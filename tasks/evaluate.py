@@ -24,8 +24,8 @@ def evaluate(
     parent_run_id: str | None = None,
     warm: WarmGroup | None = None,
 ) -> ArtifactRef:
-    """`label` names the task run (`evaluate[iter=0]`, `evaluate[base]`); `warm`: the flow run's warm group, whose
-    engines generate (not part of the cache key)."""
+    """`label` names the task run (`evaluate[iter=0]`, `evaluate[base]`); `warm`: the warm group whose engines
+    generate (not part of the cache key)."""
     return run_core(
         f"evaluate[{label}]", store_root, parent_run_id, lambda store: run_evaluate(cfg, prompts, model, store, warm)
     )

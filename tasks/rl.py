@@ -44,7 +44,7 @@ def rl_update(
     sampler: ArtifactRef | None = None,
     process: ArtifactRef | None = None,
 ) -> ArtifactRef:
-    """`warm` (the flow run's warm group) and `next_rollout` (the rollout that follows, started early) are not part
+    """`warm` (the warm group) and `next_rollout` (the rollout that follows, started early) are not part
     of the cache key: they change how fast the artifact is made, not the artifact."""
     return run_core(
         f"rl_update[iter={iteration}]", store_root, parent_run_id,

@@ -29,7 +29,7 @@ def rollout(
     parent_run_id: str | None = None,
     warm: WarmGroup | None = None,
 ) -> ArtifactRef:
-    """`warm`: the flow run's warm group, whose engines generate; not part of the cache key, since it changes how
+    """`warm`: the warm group whose engines generate; not part of the cache key, since it changes how
     the engines get the weights, not the samples."""
     return run_core(
         f"rollout[iter={iteration}]", store_root, parent_run_id,
@@ -70,7 +70,7 @@ def teacher_logprobs(
     parent_run_id: str | None = None,
     warm: WarmGroup | None = None,
 ) -> ArtifactRef:
-    """`warm`: the flow run's warm group, whose teacher engines score every iteration's rollouts (not in the key)."""
+    """`warm`: the warm group whose teacher engines score every iteration's rollouts (not in the key)."""
     return run_core(
         f"teacher_logprobs[iter={iteration}]", store_root, parent_run_id,
         lambda store: run_teacher_logprobs(cfg, rollouts, teacher, store, warm),

@@ -1,11 +1,11 @@
 """The rlhf flow on a Ray cluster whose nodes share no folder (`ray_nodes`: a head, and a worker node in a mount
 namespace of its own with a fresh tmpfs over /tmp), with the store on an S3 API (`s3_server`).
 
-SFT, then 2 GRPO iterations whose 2 update ranks (and the 2 SFT ranks) are placed on different nodes, end on the
-same policy, bit for bit, as the same config on one machine with a local store. The worker node's raylet is killed
-with SIGKILL during iteration 2's update: the failed attempt's error names the lost node, and the retried update
-starts again from the store on the nodes that are left and ends on the same digest. A rerun after the node is back
-rebuilds nothing. The worker node demonstrably could not open the flow machine's store staging, cache or session
+SFT, then 2 GRPO iterations on 2 training ranks placed on different nodes (the same warm ranks train SFT and the
+updates), end on the same policy, bit for bit, as the same config on one machine with a local store. The worker
+node's raylet is killed with SIGKILL during iteration 2's update: the failed attempt's error names the lost node, and
+the retried update starts again from the store on the nodes that are left and ends on the same digest. A rerun after
+the node is back rebuilds nothing. The worker node demonstrably could not open the flow machine's store staging, cache or session
 folders: everything it read and wrote went through the store's S3 API or Ray.
 """
 
@@ -74,9 +74,9 @@ def test_rlhf_flow_on_two_nodes_sharing_no_folder(prefect_api, ray_session, s3, 
     with two_nodes(tmp_path, env, tmp_path / "head-cache") as nodes:
         run = _drive(nodes, _config(root), tmp_path, "killed", hidden, kill_in_update=2)
         log = run["log"]
-        # Both groups of ranks spanned the two nodes.
+        # The training ranks (warm: SFT's, then the RL updates') spanned the two nodes.
         spans = [line for line in log.splitlines() if "2 ranks on nodes" in line]
-        assert len(spans) >= 2 and all(WORKER_IP in line for line in spans[:2]), spans
+        assert spans and WORKER_IP in spans[0], spans
         # The lost node is named, and the update was retried without it.
         assert "the lost rank ran on node" in log and f"({WORKER_IP})" in log.split("the lost rank ran on node")[1][:40]
         assert run["digest"] == one_node["policy"].digest

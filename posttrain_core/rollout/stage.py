@@ -180,8 +180,7 @@ def run_rollout(
         prompts: a `prompts` dataset.
         policy: a model (full or LoRA adapter folder).
         store: the artifact store.
-        warm: the flow run's warm group (`cluster.WarmGroup`), whose engines outlive this stage; None: engines of
-            this stage alone.
+        warm: the warm group (`warm.WarmGroup`) whose engines generate and outlive this stage; None: the process's.
     """
     from posttrain_core.data.io import write_dataset
     from posttrain_core.stage import StageContext, StageOutput, run_stage

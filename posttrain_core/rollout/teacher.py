@@ -92,7 +92,7 @@ def run_teacher_logprobs(
         cfg: the distill settings; the stage uses (and is keyed on) `cfg.scoring()`: topk and the teacher's engine.
         rollouts: a `rollouts` (or `scored_rollouts`) dataset.
         teacher: a model artifact sharing the rollouts' tokenizer (`check_teacher`, run by the flow before Ray).
-        warm: the flow run's warm group, whose teacher engines outlive this stage; None: engines of this stage.
+        warm: the warm group whose teacher engines score and outlive this stage; None: the process's.
 
     Manifest metrics: rows, tokens, teacher_tokens_per_s, teacher_load_s, and the rollouts' teacher_kl (the mean
     over policy tokens of the sampler's log-prob minus the teacher's, the reverse-KL estimate).

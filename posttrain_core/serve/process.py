@@ -84,11 +84,13 @@ class ServiceProcess:
                     return
             time.sleep(0.5)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 8.0) -> None:
+        """Ctrl-C, then SIGKILL to its process group after `grace_s` (idle, the service stops in 4-6 s; a replica
+        gives its requests in flight 5 s)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(15)
+                self.proc.wait(grace_s)
         for group in self.groups:  # whatever a crash left behind
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)

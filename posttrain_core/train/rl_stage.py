@@ -218,8 +218,8 @@ def run_rl_update(
         store: the artifact store.
         critic: an artifact holding `critic/` (the previous update, or value pretraining); PPO/VAPO start a fresh
             critic from the policy when None.
-        warm: the flow run's warm group (`cluster.WarmGroup`): its ranks outlive this stage, and continue from
-            the models they hold when this update starts from the artifact they built; None: ranks of this stage.
+        warm: the warm group (`warm.WarmGroup`) whose ranks train, outlive this stage, and continue from the models
+            they hold when this update starts from the artifact they built; None: the process's.
         next_rollout: the rollout stage that will sample from the new policy on the warm group's hf engines: they
             get the new weights in memory and generate while this stage saves, flushes and digests its checkpoint.
             The artifact is the same with or without it.
