@@ -43,7 +43,9 @@ def test_two_flows_at_once_build_shared_stages_once(prefect_api, ray_session, ti
         update={
             "store": str(store.root),
             "pretrain": None,  # one shared training stage less: SFT's base is the tiny model itself
-            "sft": tiny_config.sft.model_copy(update={"max_steps": 8}),  # what is tested is the sharing, not SFT
+            # What is tested is the sharing, not SFT: one rank per run (two runs' ranks starting at once on 2 cores
+            # take ~20 s more than one run's).
+            "sft": tiny_config.sft.model_copy(update={"max_steps": 8, "num_workers": 1}),
             "eval": EvalConfig(max_new_tokens=4, max_prompts=8, num_engines=1),
         }
     )
