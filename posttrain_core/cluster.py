@@ -123,9 +123,9 @@ class RankActor:
         """Drop the role and what it holds (the process stays, warm); step metrics it left unread go with it."""
         import gc
 
-        from posttrain_core.tracking.relay import take_posted
-
         import torch
+
+        from posttrain_core.tracking.relay import take_posted
 
         if hasattr(self.role, "release"):
             self.role.release()

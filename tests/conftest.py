@@ -157,10 +157,11 @@ def vllm_or_skip():
 
 @pytest.fixture(scope="module")
 def vllm_warm(ray_session):
-    """A warm group (`cluster.WarmGroup`) for a test module: its rollout stages run with `warm=vllm_warm` share its
+    """A warm group (`warm.WarmGroup`) of a test module's own: its rollout stages run with `warm=vllm_warm` share its
     vLLM engine actor (start-up is the expensive part), which takes each stage's policy as a flow run's engines do.
-    A stage that must start its own engines runs without it. Released with the module: an idle vLLM engine holds
-    gigabytes that the session's later tests (the real-model service above all) ran measurably slower without."""
+    A stage that must start its own engines runs with a group of its own. Released with the module: an idle vLLM
+    engine holds gigabytes that the session's later tests (the real-model service above all) ran measurably slower
+    without."""
     from posttrain_core.warm import WarmGroup
 
     with WarmGroup.owned("tests") as group:

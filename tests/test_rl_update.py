@@ -162,7 +162,8 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
     assert warm.members(RANKS) == []  # released with the group
 
     store.delete(b.key)  # the same update by fresh ranks that load policy, reference and optimizer from `a`
-    reloaded = run_rl_update(cfg, [second], a, base, store)
+    with WarmGroup.owned("fresh") as fresh:
+        reloaded = run_rl_update(cfg, [second], a, base, store, warm=fresh)
     assert store.manifest(reloaded)["metrics"]["continued_in_memory"] == 0.0
     assert reloaded.digest == b.digest  # policy weights, Adam moments and step: identical
 
