@@ -23,13 +23,19 @@ log = logging.getLogger(__name__)
 
 RANKS = "ranks"  # the training ranks every trainer shares (SFT, reward model, DPO, RL update)
 
+
+def ranks_role(role: str, num_workers: int) -> str:
+    """The warm-group role of the `num_workers` ranks of `role` (`WarmGroup.ranks`)."""
+    return f"{role}:{num_workers}"
+
+
 _BUSY: dict[tuple[str, str], threading.RLock] = {}  # (group name, role) -> its lock (`WarmGroup.busy`)
 _GUARD = threading.Lock()
 _PROCESS: WarmGroup | None = None
 
 
 class WarmGroup:
-    """Actors kept alive between stages, by role ("engines", "teacher", "ranks", "prm").
+    """Actors kept alive between stages, by role ("engines:2", "teacher:1", "ranks:2", "prm:1": a set per count).
 
     A stage asks the group for the actors of a role (`get`, `ranks`): they are started on first use, started again
     when the stage's settings (`spec`) differ from theirs or when one of them no longer answers (a fault in an
@@ -107,17 +113,29 @@ class WarmGroup:
     def ranks(self, cls: type, num_workers: int, role: str = RANKS) -> Iterator[WorkerGroup]:
         """`num_workers` training ranks of `role`, each hosting a `cls` object (`RankActor.become`: kept if it
         already is one, so an RL update can continue from the state the previous one left), held for the block. A
-        failure in the block kills them (no half-updated rank is reused)."""
+        failure in the block kills them (no half-updated rank is reused).
+
+        The group keeps one set of ranks per rank count (`ranks_role`): the stages of a flow, and the flow runs of a
+        process, often differ in it (a 1-rank reward model between 2-rank SFT and RL), and a rank's process group is
+        fixed at its start. The sets of other counts stay started but drop what they host, so an idle set holds
+        processes, not models."""
+        key = ranks_role(role, num_workers)
         with self.busy(role):
+            for other in [r for r in self._roles if r.startswith(f"{role}:") and r != key]:
+                try:
+                    WorkerGroup(self.members(other)).drop()
+                except Exception as err:  # noqa: BLE001 (a dead set is discarded, whatever killed it)
+                    log.warning("warm group %s: %s ranks are gone (%s)", self.name, other, err)
+                    self.discard(other)
             actors, _ = self.get(
-                role, f"w{num_workers}", num_workers, lambda: WorkerGroup.start(cls, num_workers, num_cpus=0).actors
+                key, "ranks", num_workers, lambda: WorkerGroup.start(cls, num_workers, num_cpus=0).actors
             )
             ranks = WorkerGroup(actors)
             try:
                 ranks.become(cls)
                 yield ranks
             except BaseException:
-                self.discard(role)
+                self.discard(key)
                 raise
 
     def busy(self, role: str) -> threading.RLock:

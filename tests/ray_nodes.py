@@ -77,6 +77,7 @@ class TwoNodes:
     log_dir: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
     worker: subprocess.Popen | None = None
+    worker_starts: int = 0
 
     def start_worker(self) -> None:
         """Start the worker node (again): a fresh tmpfs over /tmp in a mount namespace of its own."""
@@ -92,6 +93,7 @@ class TwoNodes:
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self.procs.append(self.worker)
+        self.worker_starts += 1
 
     def worker_raylet(self) -> int:
         """The pid of the running worker node's raylet (a descendant of its `ray start`)."""
@@ -151,9 +153,24 @@ def two_nodes(log_dir: Path, env: dict[str, str], head_cache: Path) -> Iterator[
         nodes.stop()
 
 
+STARTED = "Ray runtime started."  # what `ray start` prints once its node runs
+
+
+def _wait_started(log: Path, times: int, proc: subprocess.Popen | None, deadline: float) -> None:
+    """Wait until `log` (a `ray start` output, appended to by each start) says `times` starts succeeded. Cheaper than
+    polling `ray status`, a Python process of its own that would compete with the starting node for the CPUs."""
+    while not (log.is_file() and log.read_text(errors="replace").count(STARTED) >= times):
+        assert proc is None or proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        assert time.time() < deadline, f"{log} did not report {times} starts"
+        time.sleep(0.2)
+
+
 def wait_for_nodes(nodes: TwoNodes, n: int, proc: subprocess.Popen | None, timeout: float = 120) -> None:
-    """Wait until the cluster has `n` live nodes (`ray status` from another process)."""
+    """Wait until the cluster has `n` live nodes: both `ray start`s have succeeded, then `ray status` from another
+    process counts the nodes the head knows."""
     deadline = time.time() + timeout
+    _wait_started(nodes.log_dir / "head.log", 1, proc, deadline)
+    _wait_started(nodes.log_dir / "node-b.log", nodes.worker_starts, nodes.worker, deadline)
     while True:
         out = subprocess.run(
             [RAY, "status", f"--address={nodes.address}"], env=nodes.env, capture_output=True, text=True

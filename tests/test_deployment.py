@@ -198,7 +198,9 @@ def test_a_run_cancelled_from_the_cli_resumes_and_completes_when_run_again(serve
     store = ArtifactStore(tmp_path / "deployment-store")
     # Enough SFT steps after the first checkpoint (step 5) that the cancel lands while SFT still trains.
     long_sft = tiny_config.sft.model_copy(update={"max_steps": 150, "checkpoint_every": 5})
-    config = tiny_config.model_copy(update={"store": str(store.root), "sft": long_sft})
+    # No pretraining: SFT's base is the built model, and the stages before SFT are data and model (one training
+    # stage less to wait for).
+    config = tiny_config.model_copy(update={"store": str(store.root), "sft": long_sft, "pretrain": None})
     params = {"config": config.model_dump(mode="json")}
 
     flow_run_id = server.run("sft/demo", params, watch=False)
@@ -214,7 +216,7 @@ def test_a_run_cancelled_from_the_cli_resumes_and_completes_when_run_again(serve
     # The stages before SFT were published; nothing partial was: SFT (and the evaluations after it) never completed.
     published = {r.key: store.manifest(r)["created"] for r in store.list()}
     stages = {store.manifest(k)["stage"] for k in published}
-    assert {"pretrain", "build_model"} <= stages and not stages & {"sft", "evaluate"}, stages
+    assert {"prepare_data.sft", "build_model"} <= stages and not stages & {"sft", "evaluate"}, stages
 
     rerun = server.run("sft/demo", params)
     sft = [r for r in store.list() if r.key not in published and store.manifest(r)["stage"] == "sft"]
@@ -236,10 +238,11 @@ def test_a_run_cancelled_from_the_cli_resumes_and_completes_when_run_again(serve
     link = next(a for a in links if a["key"] == "mlflow-run")
     assert f"/runs/{run.info.run_id}" in link["data"]  # the Prefect UI's link to the MLflow run
     # Every stage's result table, posted in the background after its task returned, is attached to that task run:
-    # SFT's in the rerun, pretraining's in the cancelled run (a cache hit in the rerun).
+    # SFT's in the rerun, the SFT dataset's in the cancelled run (a cache hit in the rerun).
     cancelled = server.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
     tables = {a["key"]: a for a in links + cancelled if a["key"].endswith("-result")}
-    assert {"sft-result", "pretrain-result"} <= set(tables), sorted(tables)
-    assert tables["sft-result"]["flow_run_id"] == rerun and tables["pretrain-result"]["flow_run_id"] == flow_run_id
-    for name in ("sft-result", "pretrain-result"):
+    data = "prepare-data-sft-result"
+    assert {"sft-result", data} <= set(tables), sorted(tables)
+    assert tables["sft-result"]["flow_run_id"] == rerun and tables[data]["flow_run_id"] == flow_run_id
+    for name in ("sft-result", data):
         assert tables[name]["task_run_id"] and "mlflow_run_id" in tables[name]["data"], name

@@ -45,21 +45,24 @@ def test_two_workers_match_one_worker_on_the_same_global_batch(ray_session, tiny
 
 def test_training_stages_share_the_process_warm_ranks(ray_session, tiny_inputs):
     """Every trainer runs on the process's warm ranks (`WarmGroup.process()`): a second SFT stage takes the same 2
-    processes, each hosting a new trainer; a stage on warm ranks publishes the same bits as on ranks started for it."""
+    processes, each hosting a new trainer, though a 1-rank stage ran between them (a set of ranks per count); a stage
+    on warm ranks publishes the same bits as on ranks started for it."""
     from posttrain_core.train.sft import run_sft
-    from posttrain_core.warm import RANKS, WarmGroup
+    from posttrain_core.warm import RANKS, WarmGroup, ranks_role
 
     store, data, base = tiny_inputs
     common = dict(max_steps=2, global_batch_size=8, micro_batch_size=4, max_seq_len=64, warmup_steps=0,
                   checkpoint_every=0, log_every=1, num_workers=2)  # fmt: skip
     warm = WarmGroup.process()
     run_sft(SFTConfig(lr=3e-3, **common), data.sft, base, store)
-    ranks = [a._actor_id.hex() for a in warm.members(RANKS)]
+    two = ranks_role(RANKS, 2)
+    ranks = [a._actor_id.hex() for a in warm.members(two)]
+    run_sft(SFTConfig(lr=3e-3, **{**common, "num_workers": 1}), data.sft, base, store)
     second = run_sft(SFTConfig(lr=4e-3, **common), data.sft, base, store)
-    assert len(ranks) == 2 and [a._actor_id.hex() for a in warm.members(RANKS)] == ranks
+    assert len(ranks) == 2 and [a._actor_id.hex() for a in warm.members(two)] == ranks
     digest = second.digest
 
     store.delete(second.key)
-    warm.discard(RANKS)  # the same stage again, on ranks started for it
+    warm.discard(two)  # the same stage again, on ranks started for it
     again = run_sft(SFTConfig(lr=4e-3, **common), data.sft, base, store)
-    assert again.digest == digest and [a._actor_id.hex() for a in warm.members(RANKS)] != ranks
+    assert again.digest == digest and [a._actor_id.hex() for a in warm.members(two)] != ranks

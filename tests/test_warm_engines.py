@@ -37,8 +37,9 @@ def _rows(store, ref) -> list[tuple]:
     return list(zip(*(t.column(c).to_pylist() for c in cols), strict=True))
 
 
-def _engines(group) -> list[str]:
-    return [a._actor_id.hex() for a in group.members("engines")]
+def _engines(group, n: int) -> list[str]:
+    """The ids of the group's `n` policy engines (a set per engine count)."""
+    return [a._actor_id.hex() for a in group.members(f"engines:{n}")]
 
 
 def _dies(actor, within_s: float = 60.0) -> bool:
@@ -94,10 +95,10 @@ def _check_pool(
     warm = ArtifactStore(tmp_path / "warm")
     with WarmGroup.owned("test") as group:
         a = run_rollout(cfg, data.eval, base, warm, warm=group)
-        actors, handles = _engines(group), group.members("engines")
+        actors, handles = _engines(group, cfg.num_engines), group.members(f"engines:{cfg.num_engines}")
         assert len(actors) == cfg.num_engines
         b = run_rollout(cfg, data.eval, policy_b, warm, warm=group)
-        assert _engines(group) == actors  # the same actors served both policies
+        assert _engines(group, cfg.num_engines) == actors  # the same actors served both policies
         assert warm.manifest(a)["engine_load"] == "started"
         assert warm.manifest(b)["engine_load"] == new_policy_action
         assert "engine_load_s" in warm.manifest(b)["metrics"]
@@ -112,10 +113,10 @@ def _check_pool(
         # A dead engine actor (killed between stages) is replaced; the next stage still gets base's rows.
         ray.kill(handles[0], no_restart=True)
         c = run_rollout(cfg, data.eval, base, ArtifactStore(tmp_path / "after-kill"), warm=group)
-        assert _engines(group) != actors
+        assert _engines(group, cfg.num_engines) != actors
         assert _rows(ArtifactStore(tmp_path / "after-kill"), c) == rows_a
-        handles = group.members("engines")
-    assert group.members("engines") == []  # released with the group: its actors are gone
+        handles = group.members(f"engines:{cfg.num_engines}")
+    assert group.members(f"engines:{cfg.num_engines}") == []  # released with the group: its actors are gone
     assert all(_dies(h) for h in handles)
 
 

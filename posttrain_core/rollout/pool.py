@@ -58,10 +58,15 @@ class EngineSpec:
 
 class EnginePool:
     """The engine actors of `warm` with the settings `spec` (see the module docstring). `role`: which of the warm
-    group's actor sets they are: the policy's engines, or a teacher's (`rollout.teacher`), which keeps its weights."""
+    group's actor sets they are: the policy's engines, or a teacher's (`rollout.teacher`), which keeps its weights.
+
+    The group keeps a set per engine count (`key`), as it does ranks: a flow's rollouts and evaluations often run on
+    different counts, and each count's set stays warm for the next stage that asks for it. Settings other than the
+    count (engine, dtype) replace the set of that count."""
 
     def __init__(self, warm: WarmGroup, spec: EngineSpec, role: str = ROLE):
         self.warm, self.spec, self.role = warm, spec, role
+        self.key = f"{role}:{spec.num_engines}"
         self.actors: list[Any] = []
 
     def serve(self, model_path: str | NodePath, digest: str, seed: int = 0) -> dict[str, Any]:
@@ -83,7 +88,7 @@ class EnginePool:
         def start() -> list[Any]:
             return self._start(model_path, digest, seed)
 
-        self.actors, started = self.warm.get(self.role, self.spec.key, n, start)
+        self.actors, started = self.warm.get(self.key, self.spec.key, n, start)
         action = "started"
         if not started:
             try:
@@ -91,8 +96,8 @@ class EnginePool:
                 action = actions[0] if len(set(actions)) == 1 else "+".join(sorted(set(actions)))
             except RayActorError as err:
                 log.warning("engines of %s: an engine actor died (%s); starting new ones", self.warm.name, err)
-                self.warm.discard(self.role)
-                self.actors, _ = self.warm.get(self.role, self.spec.key, n, start)
+                self.warm.discard(self.key)
+                self.actors, _ = self.warm.get(self.key, self.spec.key, n, start)
         served = ray.get([a.served_digest.remote() for a in self.actors])
         if any(d != digest for d in served):
             raise RuntimeError(
@@ -162,7 +167,7 @@ class EnginePool:
 
         if self.spec.engine != "hf":
             return False
-        actors = self.warm.find(self.role, self.spec.key, self.spec.num_engines)
+        actors = self.warm.find(self.key, self.spec.key, self.spec.num_engines)
         if not actors or ray.get([a.served_digest.remote() for a in actors]) != [serving] * len(actors):
             return False
         state = weights()
@@ -180,7 +185,7 @@ class EnginePool:
         import ray
         from ray.exceptions import RayActorError
 
-        actors = self.warm.find(self.role, self.spec.key, self.spec.num_engines)
+        actors = self.warm.find(self.key, self.spec.key, self.spec.num_engines)
         if not actors:
             return None
         ids = [
