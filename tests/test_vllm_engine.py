@@ -82,6 +82,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
     other = apply_lora(load_causal_lm(paths["m1"]), LoraConfig(r=4, alpha=8), seed=0)
     save_checkpoint(other, load_tokenizer(paths["m1"]), root / "adapter-m1", base_model=paths["m1"])
     paths["adapter-m1"] = root / "adapter-m1"
+    # Another architecture on the same tokenizer (wider, one more layer): not loadable in place.
+    paths["wide"] = build_tiny_checkpoint(root / "wide", tokenizer, hidden_size=96, num_layers=3, num_heads=3, seed=2)
+    _sharpen(paths["wide"], 16.0)
     return paths
 
 
@@ -91,7 +94,7 @@ def hf(models):
     from posttrain_core.models.loading import load_causal_lm, load_tokenizer
 
     return {"tokenizer": load_tokenizer(models["m0"])} | {
-        name: load_causal_lm(models[name]).eval() for name in ("m0", "m1", "adapter")
+        name: load_causal_lm(models[name]).eval() for name in ("m0", "m1", "adapter", "wide")
     }
 
 
@@ -316,8 +319,23 @@ def test_lora_adapter_generates_through_the_adapter(engine, models, hf):
     assert _call(engine, "generate", _prompts(), GREEDY).column("response_ids") == first.column("response_ids")
     sampled = _call(engine, "generate", _prompts(), SamplingSettings(n=2, temperature=1.0, max_tokens=12, seed=3))
     assert _max_gap(hf["adapter"], sampled) < 1e-2
-    with pytest.raises(ValueError, match="is not this engine's base model"):
-        _use(engine, models, "adapter-m1")
+    # An adapter on another base: the engine starts again in its process, on that base.
+    assert _call(engine, "load", str(models["adapter-m1"])) == "reloaded"
+    assert _call(engine, "info")["base_path"] == str(models["m1"])
+
+
+@pytest.mark.slow
+def test_a_model_of_another_architecture_restarts_the_engine_in_its_process(engine, models, hf):
+    """A warm engine of the process may next serve another flow's model: one that its weights cannot be reloaded
+    into is served by a new vLLM engine in the same actor process, and generates as that model does."""
+    pid = _call(engine, "info")["pid"]
+    assert _call(engine, "load", str(models["wide"])) == "reloaded"
+    _assert_greedy_matches(
+        hf["wide"], hf["tokenizer"], _call(engine, "generate", _prompts(), GREEDY), GREEDY.max_tokens
+    )
+    assert _call(engine, "load", str(models["m0"])) == "reloaded" and _call(engine, "info")["pid"] == pid
+    _assert_greedy_matches(hf["m0"], hf["tokenizer"], _call(engine, "generate", _prompts(), GREEDY), GREEDY.max_tokens)
+    assert _call(engine, "load", str(models["m1"])) == "updated"  # the same architecture: in place
 
 
 @pytest.mark.slow

@@ -33,6 +33,22 @@ def _adapter_rank(adapter_dir: str) -> int:
     return int(json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("r", 0))
 
 
+def _architecture(model_dir: str) -> dict[str, Any]:
+    """What an in-place weight reload needs to stay the same: the model's config.json, less the fields that only name
+    the checkpoint or say how it was saved (the engine's dtype is its own setting), and the tokenizer, which the
+    engine keeps."""
+    import hashlib
+
+    folder = Path(model_dir)
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = folder / "tokenizer.json"
+    digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.is_file() else None
+    return {"tokenizer.json": digest} | {k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}
+
+
+_NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+
+
 def _lora_rank(need: int) -> int:
     """The smallest rank vLLM's LoRA layers support that holds `need`."""
     for rank in _LORA_RANKS:
@@ -130,6 +146,7 @@ class VLLMEngine:
 
         info = check_model_path(model_path)
         self.base_path = str(info["base_model"]) if info["is_adapter"] else str(model_path)
+        self.architecture = _architecture(self.base_path)
         self.enable_lora = bool(self.requested_lora or info["is_adapter"])
         self.max_model_len = self.requested_max_model_len or info.get("max_position_embeddings")
         kwargs: dict[str, Any] = {}
@@ -367,31 +384,30 @@ class VLLMEngine:
 
     def load(self, model_path: str, policy_digest: str | None = None) -> str:
         """Serve another policy: a full model folder or a LoRA adapter folder; returns "updated" (in place, no
-        restart) or "reloaded" (an adapter for an engine started without LoRA: a new vLLM engine in this process).
+        restart) or "reloaded" (a new vLLM engine in this process, which keeps its imports).
 
-        A full model (same architecture and shapes) is reloaded from its safetensors by every worker
-        (`WeightReload.posttrain_reload_weights`: vLLM's `reload_weights` plus the CPU tied-head fix, ~0.1 s on a
-        tiny model); an adapter replaces the current one (same base model required). The prefix cache is reset
-        either way: cached KV blocks were computed by the old weights. The tokenizer is kept (it must not change).
+        A full model of the engine's architecture (its config.json, less names and versions) is reloaded from its
+        safetensors by every worker (`WeightReload.posttrain_reload_weights`: vLLM's `reload_weights` plus the CPU
+        tied-head fix, ~0.1 s on a tiny model); an adapter on the engine's base replaces the current one. The prefix
+        cache is reset either way: cached KV blocks were computed by the old weights. Anything else is "reloaded":
+        another architecture or vocabulary (a warm engine of the process serving another flow's model), an adapter
+        on another base, or an adapter for an engine started without LoRA.
 
         Raises:
-            ValueError: an adapter on another base, or of a rank above the engine's max_lora_rank; a vision-language
-                model (`vllm_env.check_vllm_model`).
+            ValueError: an adapter of a rank above the engine's max_lora_rank; a vision-language model
+                (`vllm_env.check_vllm_model`).
         """
         from posttrain_core.models.loading import check_model_path
 
         check_vllm_model(model_path)
         info = check_model_path(model_path)
-        if info["is_adapter"] and not self.enable_lora:
+        base = str(info["base_model"]) if info["is_adapter"] else str(model_path)
+        other_base = info["is_adapter"] and Path(base).resolve() != Path(self.base_path).resolve()
+        if other_base or (info["is_adapter"] and not self.enable_lora) or _architecture(base) != self.architecture:
             self.close()
             self._start(model_path, policy_digest)
             return "reloaded"
         if info["is_adapter"]:
-            if Path(info["base_model"]).resolve() != Path(self.base_path).resolve():
-                raise ValueError(
-                    f"VLLMEngine.load('{model_path}'): the adapter's base '{info['base_model']}' is not "
-                    f"this engine's base model '{self.base_path}'"
-                )
             if _adapter_rank(str(model_path)) > self.max_lora_rank:
                 raise ValueError(
                     f"VLLMEngine.load('{model_path}'): adapter rank {_adapter_rank(str(model_path))} is "
