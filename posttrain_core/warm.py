@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 RANKS = "ranks"  # the training ranks every trainer shares (SFT, reward model, DPO, RL update)
 
 
-def ranks_role(role: str, num_workers: int) -> str:
-    """The warm-group role of the `num_workers` ranks of `role` (`WarmGroup.ranks`)."""
-    return f"{role}:{num_workers}"
+def counted(role: str, count: int) -> str:
+    """The warm-group key of the set of `count` actors of `role` ("ranks:2", "engines:1"): a group keeps a set per
+    count (`WarmGroup.ranks`, `rollout.pool.EnginePool`)."""
+    return f"{role}:{count}"
 
 
 _BUSY: dict[tuple[str, str], threading.RLock] = {}  # (group name, role) -> its lock (`WarmGroup.busy`)
@@ -115,11 +116,11 @@ class WarmGroup:
         already is one, so an RL update can continue from the state the previous one left), held for the block. A
         failure in the block kills them (no half-updated rank is reused).
 
-        The group keeps one set of ranks per rank count (`ranks_role`): the stages of a flow, and the flow runs of a
+        The group keeps one set of ranks per rank count (`counted`): the stages of a flow, and the flow runs of a
         process, often differ in it (a 1-rank reward model between 2-rank SFT and RL), and a rank's process group is
         fixed at its start. The sets of other counts stay started but drop what they host, so an idle set holds
         processes, not models."""
-        key = ranks_role(role, num_workers)
+        key = counted(role, num_workers)
         with self.busy(role):
             for other in [r for r in self._roles if r.startswith(f"{role}:") and r != key]:
                 try:

@@ -139,7 +139,7 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
     from posttrain_core.rollout.stage import run_rollout
     from posttrain_core.train.rl_stage import run_rl_update
     from posttrain_core.train.rl_state import STATE_FILE
-    from posttrain_core.warm import RANKS, WarmGroup, ranks_role
+    from posttrain_core.warm import RANKS, WarmGroup, counted
 
     store, base, rollouts = sampled
     scored = _scored_with(store, rollouts, lambda k: float(k == 0), "first")
@@ -147,7 +147,7 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
     rollout_cfg = RolloutConfig(n=4, max_prompts=6, max_tokens=6, num_engines=1, batch_size=8, seed=4)
     with WarmGroup.owned("test") as warm:
         a = run_rl_update(cfg, [scored], base, base, store, warm=warm)
-        ranks = warm.members(ranks_role(RANKS, cfg.num_workers))
+        ranks = warm.members(counted(RANKS, cfg.num_workers))
         assert len(ranks) == cfg.num_workers
         assert run_rl_update(cfg, [scored], base, base, store, warm=warm) == a  # cache hit
         assert store.manifest(a)["metrics"]["optimizer_steps"] == 1
@@ -159,8 +159,8 @@ def test_update_is_cached_and_continues_optimizer_state(sampled, tiny_inputs):
         b = run_rl_update(cfg, [second], a, base, store, warm=warm)
         metrics = store.manifest(b)["metrics"]
         assert metrics["optimizer_steps"] == 2 and metrics["continued_in_memory"] == 1.0
-        assert warm.members(ranks_role(RANKS, cfg.num_workers)) == ranks  # the same ranks did both updates
-    assert warm.members(ranks_role(RANKS, cfg.num_workers)) == []  # released with the group
+        assert warm.members(counted(RANKS, cfg.num_workers)) == ranks  # the same ranks did both updates
+    assert warm.members(counted(RANKS, cfg.num_workers)) == []  # released with the group
 
     store.delete(b.key)  # the same update by fresh ranks that load policy, reference and optimizer from `a`
     with WarmGroup.owned("fresh") as fresh:

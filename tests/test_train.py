@@ -48,14 +48,14 @@ def test_training_stages_share_the_process_warm_ranks(ray_session, tiny_inputs):
     processes, each hosting a new trainer, though a 1-rank stage ran between them (a set of ranks per count); a stage
     on warm ranks publishes the same bits as on ranks started for it."""
     from posttrain_core.train.sft import run_sft
-    from posttrain_core.warm import RANKS, WarmGroup, ranks_role
+    from posttrain_core.warm import RANKS, WarmGroup, counted
 
     store, data, base = tiny_inputs
     common = dict(max_steps=2, global_batch_size=8, micro_batch_size=4, max_seq_len=64, warmup_steps=0,
                   checkpoint_every=0, log_every=1, num_workers=2)  # fmt: skip
     warm = WarmGroup.process()
     run_sft(SFTConfig(lr=3e-3, **common), data.sft, base, store)
-    two = ranks_role(RANKS, 2)
+    two = counted(RANKS, 2)
     ranks = [a._actor_id.hex() for a in warm.members(two)]
     run_sft(SFTConfig(lr=3e-3, **{**common, "num_workers": 1}), data.sft, base, store)
     second = run_sft(SFTConfig(lr=4e-3, **common), data.sft, base, store)

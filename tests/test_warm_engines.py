@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from posttrain_core.config import RolloutConfig
+from posttrain_core.rollout.pool import ROLE
+from posttrain_core.warm import counted
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +41,7 @@ def _rows(store, ref) -> list[tuple]:
 
 def _engines(group, n: int) -> list[str]:
     """The ids of the group's `n` policy engines (a set per engine count)."""
-    return [a._actor_id.hex() for a in group.members(f"engines:{n}")]
+    return [a._actor_id.hex() for a in group.members(counted(ROLE, n))]
 
 
 def _dies(actor, within_s: float = 60.0) -> bool:
@@ -95,7 +97,7 @@ def _check_pool(
     warm = ArtifactStore(tmp_path / "warm")
     with WarmGroup.owned("test") as group:
         a = run_rollout(cfg, data.eval, base, warm, warm=group)
-        actors, handles = _engines(group, cfg.num_engines), group.members(f"engines:{cfg.num_engines}")
+        actors, handles = _engines(group, cfg.num_engines), group.members(counted(ROLE, cfg.num_engines))
         assert len(actors) == cfg.num_engines
         b = run_rollout(cfg, data.eval, policy_b, warm, warm=group)
         assert _engines(group, cfg.num_engines) == actors  # the same actors served both policies
@@ -115,8 +117,8 @@ def _check_pool(
         c = run_rollout(cfg, data.eval, base, ArtifactStore(tmp_path / "after-kill"), warm=group)
         assert _engines(group, cfg.num_engines) != actors
         assert _rows(ArtifactStore(tmp_path / "after-kill"), c) == rows_a
-        handles = group.members(f"engines:{cfg.num_engines}")
-    assert group.members(f"engines:{cfg.num_engines}") == []  # released with the group: its actors are gone
+        handles = group.members(counted(ROLE, cfg.num_engines))
+    assert group.members(counted(ROLE, cfg.num_engines)) == []  # released with the group: its actors are gone
     assert all(_dies(h) for h in handles)
 
 

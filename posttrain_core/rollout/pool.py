@@ -29,7 +29,7 @@ import pyarrow as pa
 from posttrain_core.artifacts.node import NodePath
 from posttrain_core.rollout.engine import SamplingSettings
 from posttrain_core.rollout.worker import PENDING, RolloutWorker
-from posttrain_core.warm import WarmGroup
+from posttrain_core.warm import WarmGroup, counted
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class EnginePool:
 
     def __init__(self, warm: WarmGroup, spec: EngineSpec, role: str = ROLE):
         self.warm, self.spec, self.role = warm, spec, role
-        self.key = f"{role}:{spec.num_engines}"
+        self.key = counted(role, spec.num_engines)
         self.actors: list[Any] = []
 
     def serve(self, model_path: str | NodePath, digest: str, seed: int = 0) -> dict[str, Any]:

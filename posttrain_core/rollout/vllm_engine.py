@@ -402,8 +402,11 @@ class VLLMEngine:
         check_vllm_model(model_path)
         info = check_model_path(model_path)
         base = str(info["base_model"]) if info["is_adapter"] else str(model_path)
-        other_base = info["is_adapter"] and Path(base).resolve() != Path(self.base_path).resolve()
-        if other_base or (info["is_adapter"] and not self.enable_lora) or _architecture(base) != self.architecture:
+        if info["is_adapter"]:  # on the engine's base, the architecture is the engine's
+            restart = not self.enable_lora or Path(base).resolve() != Path(self.base_path).resolve()
+        else:
+            restart = _architecture(base) != self.architecture
+        if restart:
             self.close()
             self._start(model_path, policy_digest)
             return "reloaded"
