@@ -72,14 +72,14 @@ class DataConfig(_Config):
         le=1.0,
         description="synthetic tasks: fraction of the SFT (and pretraining) demonstrations with one mistake, as in "
         "imperfect human- or model-written data: arithmetic slips a step and carries it to a wrong answer; tool "
-        "families skip the call, mangle its arguments, or call where no tool is needed. SFT imitates the mistakes; "
-        "RL against the verifier removes them (0: clean demonstrations)",
+        "families skip the call, mangle its arguments, or call where no tool is needed; a picture gets a wrong "
+        "label. SFT imitates the mistakes; RL against the verifier removes them (0: clean demonstrations)",
     )
     n_rl_prompts: int = Field(
         4096,
         ge=0,
-        description="synthetic RL prompts, distinct from the SFT problems and the held-out ones (0: RL samples the "
-        "SFT problems again)",
+        description="synthetic RL prompts, distinct from the SFT problems and the held-out ones and drawn after them, "
+        "so their number never changes those (0: RL samples the SFT problems again)",
     )
     blank_images: bool = Field(
         False,

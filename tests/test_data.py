@@ -460,3 +460,16 @@ def test_prepared_rl_prompts_are_their_own_problems(n_rl):
         assert families == {"arithmetic": 150, "reverse": 150}
     else:
         assert questions["prompts"] == questions["sft"]
+
+
+def test_the_number_of_rl_prompts_leaves_the_sft_and_held_out_data_as_they_are():
+    """More RL prompts must not change what SFT trains on or what the evaluation holds out (a demo that raises
+    `n_rl_prompts` compares its RL against the same SFT)."""
+    from posttrain_core.config import DataConfig
+    from posttrain_core.data.prepare import build_tables
+
+    few, many = (build_tables(DataConfig(n_train=300, n_eval=30, n_rl_prompts=n)) for n in (20, 400))
+    for name in ("sft", "eval", "text"):
+        assert few[name][0].equals(many[name][0]), name
+    rl_few, rl_many = (t["prompts"][0].column("messages").to_pylist() for t in (few, many))
+    assert len(rl_few) == 20 and rl_many[:20] == rl_few

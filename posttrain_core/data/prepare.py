@@ -142,10 +142,12 @@ def build_tables(cfg: DataConfig) -> dict[str, tuple[pa.Table, str]]:
             max_digits=cfg.max_digits,
             worked=cfg.worked_solutions,
         )
-        train, held = synthetic.split_train_eval(problems, cfg.n_eval, cfg.seed)
-        # RL prompts of their own (the last ones: families stay interleaved), as RL prompt sets usually are: the
-        # policy is then trained on problems it has not memorised answers to, like the held-out ones.
-        train, rl = (train[: cfg.n_train], train[cfg.n_train :]) if cfg.n_rl_prompts else (train, train)
+        # RL prompts of their own (the last ones: families stay interleaved, and every question is distinct), as RL
+        # prompt sets usually are: the policy is then trained on problems it has not memorised answers to, like the
+        # held-out ones. They come after the SFT and held-out problems, which therefore do not depend on their number.
+        head = cfg.n_train + cfg.n_eval
+        train, held = synthetic.split_train_eval(problems[:head], cfg.n_eval, cfg.seed)
+        rl = problems[head:] if cfg.n_rl_prompts else train
         shown = synthetic.with_slips(train, cfg.slip_rate, cfg.max_digits, cfg.seed)  # the demonstrations
         tables = {
             "sft": (synthetic.sft_table(shown), "sft"),
