@@ -392,3 +392,19 @@ def test_prepare_data_from_a_user_file_with_images(tmp_path):
     for msgs, images in zip(held.column("messages").to_pylist(), held.column("images").to_pylist(), strict=True):
         assert images == ([png] if IMAGE_MARKER in msgs[0]["content"] else None)
     assert not any(IMAGE_MARKER in t for t in tables["text"][0].column("text").to_pylist())
+
+
+def test_mislabelled_pictures_keep_the_true_answer_for_the_verifier():
+    """`slip_rate` on a visual family: that fraction of the demonstrations names another answer of the question's kind
+    (a careless labeller); the answer the verifier checks stays the picture's."""
+    from posttrain_core.data.synthetic import ANSWER_PREFIX, with_slips
+
+    problems = make_problems(("shapes",), n=600, seed=2)
+    shown = with_slips(problems, 0.3, max_digits=2, seed=2)
+    assert [p.answer for p in shown] == [p.answer for p in problems]
+    wrong = [s for s in shown if s.solution != ANSWER_PREFIX + s.answer]
+    assert 0.24 < len(wrong) / 600 < 0.36
+    for s in wrong:
+        kind = next(k for k, text in shapes_task.QUESTIONS.items() if text == s.question)
+        assert s.solution.removeprefix(ANSWER_PREFIX) in shapes_task.ANSWERS[kind]
+    assert with_slips(problems, 0.0, 2) == problems

@@ -79,6 +79,12 @@ def draw(scene: list[tuple[str, str, int, int, int]]) -> bytes:
     return encode_png(image)
 
 
+def mislabel(question: str, answer: str, rng: random.Random) -> str:
+    """Another answer to `question` than `answer`, as a careless labeller gives (`synthetic.with_slips`)."""
+    (kind,) = [k for k, text in QUESTIONS.items() if text == question]
+    return rng.choice([a for a in ANSWERS[kind] if a != answer])
+
+
 def generate(rng: random.Random) -> tuple[str, str, bytes]:
     """One problem: (question, answer, PNG bytes). The question kind, then its answer, are drawn uniformly."""
     kind = rng.choice(tuple(QUESTIONS))

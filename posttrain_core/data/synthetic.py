@@ -124,8 +124,9 @@ def worked_solution(question: str, max_digits: int, slip: tuple[int, int] | None
 
 
 def with_slips(problems: Sequence[Problem], rate: float, max_digits: int, seed: int = 0) -> list[Problem]:
-    """`problems` where a `rate` fraction of the worked arithmetic solutions carry one slip (`worked_solution`), and
-    a `rate` fraction of the tool demonstrations one mistake (`tool_tasks.imperfect`).
+    """`problems` where a `rate` fraction of the worked arithmetic solutions carry one slip (`worked_solution`), a
+    `rate` fraction of the tool demonstrations one mistake (`tool_tasks.imperfect`), and a `rate` fraction of the
+    pictures a wrong label (`shapes.mislabel`).
 
     The `answer` (what verifiers check) stays right: only the demonstration is wrong. Which problems slip, in which
     column and which way is a function of (seed, prompt_id), so a problem slips the same way in every dataset.
@@ -141,6 +142,8 @@ def with_slips(problems: Sequence[Problem], rate: float, max_digits: int, seed: 
             columns = 1 if "*" in p.question else max(max_digits, *(len(t) for t in p.question.split()[2::2]))
             slip = (rng.randrange(columns), rng.choice((-1, 1)))
             p = dataclasses.replace(p, solution=worked_solution(p.question, max_digits, slip))
+        elif p.family in _VISUAL_GENERATORS and rng.random() < rate:
+            p = dataclasses.replace(p, solution=ANSWER_PREFIX + shapes.mislabel(p.question, p.answer, rng))
         out.append(p)
     return out
 
