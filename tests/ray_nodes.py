@@ -30,6 +30,7 @@ WORKER_CACHE = f"{WORKER_TMP}/cache"
 # An address of its own (any 127.x reaches this machine): with two raylets on one address, a driver could attach to
 # either, and would then be on the worker node.
 WORKER_IP = "127.0.0.2"
+WORKER_RESOURCE = "posttrain_node_b"  # a custom resource only the worker node offers: work asked to go there
 
 
 def _own_mount_ns() -> str:
@@ -84,7 +85,7 @@ class TwoNodes:
         script = (
             "set -e; mount -t tmpfs -o size=8g posttrain-node-b /tmp; "
             f"mkdir -p {WORKER_CACHE}; exec {RAY} start --address={self.address} --num-cpus=2 --node-ip-address={WORKER_IP} "
-            f"--temp-dir={WORKER_TMP}/ray --disable-usage-stats --block"
+            f"--resources='{{\"{WORKER_RESOURCE}\": 1}}' --temp-dir={WORKER_TMP}/ray --disable-usage-stats --block"
         )
         env = {**self.env, "POSTTRAIN_CACHE_DIR": WORKER_CACHE}
         log = (self.log_dir / "node-b.log").open("a")

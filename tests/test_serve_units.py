@@ -3,6 +3,8 @@ losses' input checks, the journal across a restart, API keys, and the adapter po
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -192,6 +194,7 @@ def test_every_serve_config_field_is_a_flag_of_posttrain_serve():
         "base_models": {"a": "/models/a", "b": "latest:sft"}, "host": "0.0.0.0", "port": 8123, "store": "/tmp/s",
         "state_dir": "/tmp/state", "keys_file": "/tmp/keys.txt", "max_loras": 3, "lora_alpha": 16,
         "dtype": "bfloat16", "memory_gb": 6.5, "max_queued": 9, "long_poll_s": 5.0, "threads": 2,
+        "worker_resources": {"trainer": 1.0},
     }  # fmt: skip
     assert set(values) == set(ServeConfig.model_fields)  # a new field needs a value here
     for name, value in values.items():
@@ -201,7 +204,7 @@ def test_every_serve_config_field_is_a_flag_of_posttrain_serve():
         if name == "base_models":
             argv += [x for k, v in value.items() for x in (flag(name), f"{k}={v}")]
         elif name != "store":
-            argv += [flag(name), str(value)]
+            argv += [flag(name), json.dumps(value) if isinstance(value, dict) else str(value)]
     parser = core_cli.build_parser(DESCRIPTION, core_cli.USAGE + USAGE, _add_more)
     after = config_from_args(parser.parse_args(["serve", *argv, "--store", "/tmp/s"]))
     before = config_from_args(parser.parse_args(["--store", "/tmp/s", "serve", *argv]))

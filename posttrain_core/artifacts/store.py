@@ -80,11 +80,15 @@ class ArtifactStore:
         else:
             base = Path(setting("POSTTRAIN_CACHE_DIR") or Path.home() / ".cache" / "posttrain").expanduser().resolve()
             self.staging_root, self.cache_root = base / "staging" / root_sha, base / "cache"
-        # Pictures a flow draws for people (reward curves): in the store when it is a folder, else on this machine
-        # beside the staging (they also reach MLflow as run artifacts).
-        self.reports_root = (
-            Path(self._root) / "reports" if self.is_local else self.staging_root.parent.parent / "reports" / root_sha
-        )
+        # Pictures a flow draws for people (reward curves; they also reach MLflow as run artifacts).
+        self.reports_root = self.own_dir("reports")
+
+    def own_dir(self, name: str) -> Path:
+        """A folder `name` of this machine's own for the store (reports, a service's journal): in the store when it
+        is a folder, else beside this machine's staging for it, `{cache dir}/{name}/{hash of the root}`."""
+        if self.is_local:
+            return Path(self._root) / name
+        return self.staging_root.parent.parent / name / self.staging_root.name
 
     def __repr__(self) -> str:
         return f"ArtifactStore({self.root!r})"
@@ -341,7 +345,9 @@ class ArtifactStore:
             if not src.is_dir():
                 raise FileNotFoundError(f"publish {key}: source folder {src} does not exist or is not a folder")
             if (src / MANIFEST).exists():
-                raise ValueError(f"publish {key}: {src / MANIFEST} exists; the store writes the manifest, not the stage")
+                raise ValueError(
+                    f"publish {key}: {src / MANIFEST} exists; the store writes the manifest, not the stage"
+                )
         own = {"kind": kind, "key": key, "schema_kind": schema_kind}
         for name in sorted(STORE_FIELDS & manifest.keys()):
             if name not in own or manifest[name] != own[name]:

@@ -4,6 +4,9 @@ One `Gateway` deployment (the HTTP API the tinker SDK speaks) and one `ModelWork
 (the adapters, the fair queue, the compute). Ray Serve runs them as actors on the local Ray (or `$RAY_ADDRESS`)
 and its proxy serves HTTP on `host:port`. Each worker reserves its share of the memory budget as Ray's `memory`
 resource, so Ray places no more workers on a machine than its memory holds, and sizes its passes to stay within it.
+On a Ray cluster the workers may run on any node: they read base models and checkpoints through the store (a
+remote store is fetched into the node's cache) and upload what they save; the gateway stays on the node that
+started the service, beside its journal.
 
     posttrain serve --base-model tiny=/models/tiny --port 8000 [--keys keys.txt] [--max-loras 4] [--memory-gb 8]
 """
@@ -23,21 +26,33 @@ log = logging.getLogger("posttrain.serve")
 DEFAULT_MEMORY_SHARE = 0.8  # of the memory this machine has free at start, when --memory-gb is not given
 
 
-def _base_paths(config: ServeConfig, store) -> dict[str, str]:
+def _bases(config: ServeConfig, store) -> dict:
+    """Each base model as an artifact ref: a store artifact (a .gguf is imported once, `latest:STAGE`, a key), which a
+    worker on any node fetches from the store, or a local folder, which every node that runs a worker must have."""
     from posttrain_core.models.build import stored_model
     from posttrain_core.models.gguf import import_gguf, is_gguf_path
     from posttrain_core.models.loading import check_model_path
+    from posttrain_core.serve import checkpoints
 
-    paths = {}
+    refs = {}
     for name, path in config.base_models.items():
         ref = import_gguf(path, store) if is_gguf_path(path) else stored_model(path, store, f"base_models.{name}")
-        if ref is not None:
-            path = str(store.local_path(ref))
-        info = check_model_path(path)
+        if ref is None:
+            ref = checkpoints.base_ref(store, path)
+        info = check_model_path(str(store.metadata_path(ref)))
         if info["is_adapter"]:
             raise ValueError(f"base_models.{name}: {path} is an adapter; serve its base model")
-        paths[name] = str(Path(path).resolve())
-    return paths
+        refs[name] = ref
+    return refs
+
+
+def _here() -> dict[str, float]:
+    """A Ray resource only the node of this process has: the gateway runs there, beside its journal."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    (ip,) = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node]
+    return {f"node:{ip}": 0.001}
 
 
 def memory_budget(config: ServeConfig) -> int:
@@ -77,28 +92,37 @@ def start(config: ServeConfig) -> str:
     config = config.model_copy(
         update=dict(
             store=store.root,
-            state_dir=str(Path(config.state_dir or Path(store.root) / "serve").resolve()),
-            base_models=_base_paths(config, store),
+            state_dir=str(Path(config.state_dir or store.own_dir("serve")).resolve()),
             threads=config.threads or os.cpu_count(),
         )
     )
+    bases = _bases(config, store)
     if keys is None:
         log.warning("no keys file or $%s: every tml- key is accepted as its own tenant", KEYS_ENV)
     connect()
     share = memory_budget(config) // len(config.base_models)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    # One HTTP proxy, on the head node: the service's address is the head's.
+    serve.start(proxy_location="HeadOnly", http_options={"host": config.host, "port": config.port})
     # Queues are the gateway's own (bounded, 429 beyond). On Ctrl-C a replica gives its requests in flight 5 s, not
     # Serve's 20: a tenant's unsaved state is lost at a stop anyway, and saved states reload on the next start.
-    options = {"max_ongoing_requests": 1_000_000, "graceful_shutdown_timeout_s": 5, "graceful_shutdown_wait_loop_s": 0.5}
+    options = {
+        "max_ongoing_requests": 1_000_000,
+        "graceful_shutdown_timeout_s": 5,
+        "graceful_shutdown_wait_loop_s": 0.5,
+    }
     workers = {
         name: serve.deployment(
-            ModelWorker, name=f"model-{i}", ray_actor_options={"num_cpus": 0, "memory": share}, **options
-        ).bind(name, path, config, share)
-        for i, (name, path) in enumerate(config.base_models.items())
+            ModelWorker,
+            name=f"model-{i}",
+            ray_actor_options={"num_cpus": 0, "memory": share, "resources": config.worker_resources},
+            **options,
+        ).bind(name, ref, config, share)
+        for i, (name, ref) in enumerate(bases.items())
     }
     # No per-request access log: every client heartbeats and long-polls; lifecycle events are logged instead.
     logging_config = {"enable_access_log": False, "log_level": "INFO"}
-    app = Gateway.options(ray_actor_options={"num_cpus": 0}, **options).bind(config, keys, workers)
+    gateway = Gateway.options(ray_actor_options={"num_cpus": 0, "resources": _here()}, **options)
+    app = gateway.bind(config, keys, workers, bases)
     serve.run(app, name="posttrain", route_prefix="/", logging_config=logging_config)
     url = f"http://{config.host}:{config.port}"
     log.info(

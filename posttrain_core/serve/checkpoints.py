@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain_core.artifacts import ArtifactRef, ArtifactStore
+from posttrain_core.artifacts.remote import Uploaded
 from posttrain_core.serve.wire import UserError
 
 PREFIX = "tinker://"
@@ -62,7 +63,8 @@ def resolve(store: ArtifactStore, path: str) -> ArtifactRef:
 
 
 def base_ref(store: ArtifactStore, folder: str) -> ArtifactRef:
-    """The base model as a lineage input: its store artifact when the folder is one, else an external ref."""
+    """A base model folder as an artifact: the store's when the folder is one of its artifacts, else an external
+    ref on the folder."""
     from posttrain_core.artifacts.manifest import read_manifest
 
     manifest = read_manifest(None, folder) or {}
@@ -73,9 +75,9 @@ def base_ref(store: ArtifactStore, folder: str) -> ArtifactRef:
 
 
 def publish(
-    store: ArtifactStore, path: str, folder: Path, base: ArtifactRef, fields: dict[str, Any], overwrite: bool
+    store: ArtifactStore, path: str, src: str | Uploaded, base: ArtifactRef, fields: dict[str, Any], overwrite: bool
 ) -> ArtifactRef:
-    """Publish a saved adapter folder under its path's key.
+    """Publish a saved adapter (its folder, or what a worker on another node uploaded) under its path's key.
 
     Raises:
         UserError: the checkpoint exists and `overwrite` is false.
@@ -94,4 +96,4 @@ def publish(
         "inputs": [base],
         **fields,
     }
-    return store.publish(key, "model", folder, manifest)
+    return store.publish(key, "model", src, manifest)

@@ -7,6 +7,7 @@ is the field's: the defaults are stated once, here. The config travels typed to 
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from pathlib import Path
@@ -36,7 +37,9 @@ class ServeConfig(BaseModel):
         None, description="artifact store for checkpoints (default $POSTTRAIN_STORE or ./.posttrain)"
     )
     state_dir: str | None = Field(
-        None, description="the service's journal and evicted adapters (default {store}/serve)"
+        None,
+        description="the service's journal, on the machine that starts it (default {store}/serve; for a remote store "
+        "serve/ beside this machine's cache)",
     )
     keys_file: str | None = Field(
         None,
@@ -52,6 +55,11 @@ class ServeConfig(BaseModel):
         description="GiB of memory for the model workers together, split evenly across the base models: each "
         "worker sizes its forward/backward passes and decode batches to stay within its share (default: 80% of "
         "the memory this machine has free at start, at most what Ray offers)",
+    )
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom Ray resources each model worker needs, as JSON ('{\"trainer\": 1}'): on a cluster, the "
+        "workers go to the nodes started with them (`ray start --resources`)",
     )
     max_queued: int = Field(64, ge=1, description="unfinished requests per tenant before 429")
     long_poll_s: float = Field(20.0, gt=0, le=40, description="how long retrieve_future waits before try_again")
@@ -117,6 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _argument_type(annotation: Any) -> tuple[type, list | None]:
     """(type to parse with, choices) of a field annotation: a scalar, an optional scalar or a Literal."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is dict:
+        return json.loads, None
     if typing.get_origin(annotation) is Literal:
         return type(args[0]), list(args)
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:

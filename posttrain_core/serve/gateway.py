@@ -22,6 +22,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from posttrain_core.artifacts.ref import ArtifactRef
 from posttrain_core.serve import checkpoints
 from posttrain_core.serve.config import ServeConfig
 from posttrain_core.serve.futures import Futures
@@ -42,19 +43,25 @@ class Gateway:
     """See the module docstring.
 
     Args:
-        config: the service's settings, resolved by `app.start` (local base model folders, store, state_dir).
+        config: the service's settings, resolved by `app.start` (store, state_dir).
         keys: API key -> tenant (None: any tml- key is its own tenant).
         workers: each base model's `ModelWorker` handle, by its public name.
+        bases: each base model's artifact (`app._bases`), by its public name.
     """
 
-    def __init__(self, config: ServeConfig, keys: dict[str, str] | None, workers: dict[str, Any]):
+    def __init__(
+        self, config: ServeConfig, keys: dict[str, str] | None, workers: dict[str, Any], bases: dict[str, ArtifactRef]
+    ):
         from posttrain_core.artifacts import ArtifactStore
         from posttrain_core.models.loading import check_model_path
 
         self.config, self.keys = config, keys
-        self.bases = {name: {"path": path, **check_model_path(path)} for name, path in config.base_models.items()}
         self.store = ArtifactStore(config.store)
-        self.base_refs = {name: checkpoints.base_ref(self.store, b["path"]) for name, b in self.bases.items()}
+        self.base_refs = bases
+        self.bases = {}
+        for name, ref in bases.items():  # configs and tokenizer: the weights stay where the workers are
+            path = str(self.store.metadata_path(ref))
+            self.bases[name] = {"path": path, **check_model_path(path)}
         self.journal = Journal(Path(config.state_dir) / "journal.sqlite")
         self.futures = Futures(self.journal, config.max_queued, config.long_poll_s)
         self.workers = Workers(workers, self.journal)
@@ -258,29 +265,27 @@ class Gateway:
         key = checkpoints.artifact_key(path)
         if not body.get("overwrite") and self.store.get(key) is not None:
             raise UserError(f"path: checkpoint {path} exists; save under another name or pass overwrite=True")
-        folder = self.store.new_output_dir(key)
-        with_state = kind == "weights"
-        payload = {"adapter": model["adapter"], "folder": str(folder), "with_state": with_state}
+        payload = {"adapter": model["adapter"], "key": key, "with_state": kind == "weights"}
         saved = await self.workers.submit(tenant, model["base"], "save", payload)
+        base = self.base_refs[model["base"]]
         fields = {
             "tenant": tenant,
             "session": model["session"],
             "model_id": model_id,
             "base_model": model["base"],
-            "base_model_path": self.bases[model["base"]]["path"],
+            "base_model_key": base.key,
             "step": saved["steps"],
             "lora_rank": saved["rank"],
         }
-        base = self.base_refs[model["base"]]
         ref = await asyncio.to_thread(
-            checkpoints.publish, self.store, path, folder, base, fields, bool(body.get("overwrite"))
+            checkpoints.publish, self.store, path, saved["src"], base, fields, bool(body.get("overwrite"))
         )
         self.journal.add_checkpoint(path, tenant, model_id, ref.key)
         log.info("tenant %s: saved %s (step %d) as artifact %s", tenant, path, saved["steps"], ref.key)
         return path
 
-    def _checkpoint(self, path: Any, tenant: str) -> tuple[str, str, int]:
-        """(base name, local folder, LoRA rank) of a checkpoint this tenant saved; 404 for any other path."""
+    def _checkpoint(self, path: Any, tenant: str) -> tuple[str, ArtifactRef, int]:
+        """(base name, artifact, LoRA rank) of a checkpoint this tenant saved; 404 for any other path."""
         try:
             checkpoints.parse(path)
         except UserError as e:
@@ -292,7 +297,7 @@ class Gateway:
         base = manifest.get("base_model")
         if base not in self.bases:
             raise HTTPException(400, f"path: {path} was trained on {base!r}, which this server does not serve")
-        return base, str(self.store.local_path(ref)), int(manifest.get("lora_rank") or 0)
+        return base, ref, int(manifest.get("lora_rank") or 0)
 
     @app.post(API + "/save_weights")
     async def save_weights(self, request: Request):
@@ -331,7 +336,7 @@ class Gateway:
         tenant = self._tenant(request)
         body = await self._json(request)
         path = body.get("path")
-        base, folder, rank = self._checkpoint(path, tenant)
+        base, ref, rank = self._checkpoint(path, tenant)
         with_state = bool(body.get("optimizer"))
         if body.get("session_id") is not None:  # a new training client from a checkpoint
             session = self._session(body["session_id"], tenant)
@@ -348,7 +353,7 @@ class Gateway:
         async def work():
             if drop:
                 await self.workers.submit(tenant, base, "drop", {"adapters": drop})
-            payload = {"adapter": adapter, "folder": folder, "with_state": with_state, "trainable": True}
+            payload = {"adapter": adapter, "ref": ref, "with_state": with_state, "trainable": True}
             await self.workers.submit(tenant, base, "load", payload, home=model_id)
             log.info("tenant %s: model %s loaded from %s (optimizer: %s)", tenant, model_id, path, with_state)
             return {"path": path, "model_id": model_id, "type": "load_weights"}
@@ -364,9 +369,9 @@ class Gateway:
         sampler_id = f"{session}:sample:{body.get('sampling_session_seq_id', 0)}"
         path = body.get("model_path")
         if path:
-            base, folder, _ = self._checkpoint(path, tenant)
+            base, ref, _ = self._checkpoint(path, tenant)
             adapter = f"p{uuid.uuid4().hex[:12]}"
-            payload = {"adapter": adapter, "folder": folder, "with_state": False, "trainable": False}
+            payload = {"adapter": adapter, "ref": ref, "with_state": False, "trainable": False}
             try:
                 await self.workers.submit(tenant, base, "load", payload, home=sampler_id)
             except UserError as e:

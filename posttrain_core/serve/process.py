@@ -25,12 +25,13 @@ class ServiceProcess:
     Args:
         keys: API key -> tenant, written to a keys file beside `state_dir`.
         more_bases: more base models, name -> path (a worker each).
+        env: the service's environment (default: this one without `RAY_ADDRESS`, so it starts a local Ray of its own).
         flags: more `posttrain serve` options, e.g. `max_loras=2` for `--max-loras 2`.
     """
 
     def __init__(self, base_name: str, base_path: Path, store: Path, state_dir: Path, log: Path,
                  keys: dict[str, str], port: int | None = None, more_bases: dict[str, Path] | None = None,
-                 **flags):  # fmt: skip
+                 env: dict[str, str] | None = None, **flags):  # fmt: skip
         self.base_name, self.base_path, self.store, self.state_dir, self.log = (
             base_name,
             base_path,
@@ -43,6 +44,7 @@ class ServiceProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = {k.replace("_", "-"): v for k, v in flags.items()}
+        self.env = env
         self.proc: subprocess.Popen | None = None
         self.groups: list[int] = []
 
@@ -56,7 +58,7 @@ class ServiceProcess:
             cmd += ["--base-model", f"{name}={path}"]
         for name, value in self.flags.items():
             cmd += [f"--{name}", str(value)]
-        env = own_ray_environment()
+        env = self.env or own_ray_environment()
         out = self.log.open("a")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -17,6 +17,7 @@ import ctypes
 import logging
 import os
 import resource
+import shutil
 import threading
 import time
 import traceback
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain_core.artifacts.ref import ArtifactRef
 from posttrain_core.serve.config import ServeConfig
 from posttrain_core.serve.wire import UserError
 
@@ -49,14 +51,16 @@ class ModelWorker:
 
     Args:
         name: the base model's public name (`base_model` in the SDK).
-        path: its local Hugging Face folder.
-        config: the service's settings (max_loras, lora_alpha, dtype, state_dir, threads...).
+        base: its artifact (fetched into this node's cache when the store is remote).
+        config: the service's settings (store, max_loras, lora_alpha, dtype, threads...).
         memory: bytes this worker may use in all (its share of `ServeConfig.memory_gb`).
     """
 
-    def __init__(self, name: str, path: str, config: ServeConfig, memory: int):
+    def __init__(self, name: str, base: ArtifactRef, config: ServeConfig, memory: int):
+        import ray
         import torch
 
+        from posttrain_core.artifacts.node import node_store
         from posttrain_core.models.heads import TokenLogprobs
         from posttrain_core.models.loading import check_model_path, load_causal_lm, load_tokenizer
         from posttrain_core.rollout.hf_engine import eos_and_pad
@@ -68,16 +72,21 @@ class ModelWorker:
         _return_large_blocks()
         if config.threads:
             torch.set_num_threads(config.threads)
+        self.store = node_store(config.store)
+        path = str(self.store.local_path(base))
         info = check_model_path(path)
         self.name, self.path, self.config = name, str(Path(path).resolve()), config
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted worker (after a crash or an OOM kill) has another
+        self.node = ray.util.get_node_ip_address()
         self.tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=config.dtype).eval()
         self.eos_ids, self.pad_id = eos_and_pad(self.tokenizer, model)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_length = int(info.get("max_position_embeddings") or 2048)
-        spill = Path(config.state_dir) / "spill" / name.replace("/", "_")
-        self.pool = LoraPool(model, config.max_loras, spill)
+        # Evicted adapters live as long as this process: on this node, whatever node that is (removed by `__del__`,
+        # which Serve calls when it stops a replica).
+        self.spill = self.store.own_dir("serve") / "spill" / f"{name.replace('/', '_')}-{self.incarnation}"
+        self.pool = LoraPool(model, config.max_loras, self.spill)
         self.net = TokenLogprobs(self.pool.model)
         with torch.no_grad():  # every weight paged in before the resident size is read (safetensors maps them)
             self.pool.model(input_ids=torch.zeros((1, 1), dtype=torch.long))
@@ -94,10 +103,14 @@ class ModelWorker:
         self.stats = {"rounds": 0, "busy_s": 0.0, "fwdbwd_tokens": 0, "fwdbwd_passes": 0, "sampled_tokens": 0}
         threading.Thread(target=self._run, name=f"compute-{name}", daemon=True).start()
         log.info(
-            "worker %s (pid %d): %s loaded (vocab %d, context %d); memory budget %s, %s resident, %s per pass",
-            name, os.getpid(), path, self.vocab_size, self.max_length, gib(memory), gib(self.budget.base),
+            "worker %s (pid %d, node %s): %s loaded (vocab %d, context %d); memory budget %s, %s resident, %s per pass",
+            name, os.getpid(), self.node, path, self.vocab_size, self.max_length, gib(memory), gib(self.budget.base),
             gib(self.budget.room(self.pool)),
         )  # fmt: skip
+
+    def __del__(self) -> None:
+        if hasattr(self, "spill"):  # not when __init__ failed before it
+            shutil.rmtree(self.spill, ignore_errors=True)
 
     # ----------------------------------------------------------------------------------------------- public
     def describe(self) -> dict[str, Any]:
@@ -107,6 +120,7 @@ class ModelWorker:
             "model_name": self.name,
             "path": self.path,
             "pid": os.getpid(),
+            "node": self.node,
             "incarnation": self.incarnation,
             "vocab_size": self.vocab_size,
             "max_context_length": self.max_length,
@@ -267,11 +281,10 @@ class ModelWorker:
         if item.kind == "optim_step":
             return pool.optim_step(p["adapter"], p["adam"])
         if item.kind == "save":
-            pool.save(p["adapter"], Path(p["folder"]), with_state=p["with_state"], base_path=self.path)
-            self.tokenizer.save_pretrained(p["folder"])
-            return {"steps": pool.adapters[p["adapter"]].steps, "rank": pool.adapters[p["adapter"]].lora.r}
+            return self._save(p["adapter"], p["key"], p["with_state"])
         if item.kind == "load":
-            lora = pool.load(p["adapter"], Path(p["folder"]), with_state=p["with_state"], trainable=p["trainable"])
+            folder = self.store.local_path(p["ref"])  # fetched into this node's cache when the store is remote
+            lora = pool.load(p["adapter"], folder, with_state=p["with_state"], trainable=p["trainable"])
             return {"rank": lora.r}
         if item.kind == "snapshot":
             pool.snapshot(p["source"], p["adapter"])
@@ -281,6 +294,20 @@ class ModelWorker:
                 pool.drop(name)
             return {}
         raise ValueError(f"unknown request kind {item.kind!r}")
+
+    def _save(self, adapter: str, key: str, with_state: bool) -> dict:
+        """Write an adapter folder for the artifact `key`: in the store's staging when the store is a folder (the
+        gateway publishes it), else on this node and uploaded into the store (the gateway publishes the upload)."""
+        from posttrain_core.artifacts.node import outbox_of
+
+        outbox = outbox_of(self.store, key)
+        folder = outbox.outdir() if outbox else self.store.new_output_dir(key)
+        shutil.rmtree(folder, ignore_errors=True)  # what an interrupted save left
+        folder.mkdir(parents=True)
+        self.pool.save(adapter, folder, with_state=with_state, base_path=self.path)
+        self.tokenizer.save_pretrained(folder)
+        state = self.pool.adapters[adapter]
+        return {"steps": state.steps, "rank": state.lora.r, "src": outbox.ship(folder) if outbox else str(folder)}
 
 
 def _by_adapter(items: list[_Item]) -> list[list[_Item]]:
