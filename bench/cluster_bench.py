@@ -8,7 +8,7 @@
 Same config and seeds in every setup, so the final policy digests must be equal (checked). Prints the flow's wall time
 per setup and seed with its ratio to the one-node local run, and the bytes each RL iteration moved: uploaded to the
 store (its rollouts, scores and update artifacts) and downloaded into the nodes' caches (the flow machine's and every
-node's). Usage: python -m bench.cluster_bench [--seeds 0,1] [--iterations 3]
+node's). Usage: python -m bench.cluster_bench [--seeds 0,1] [--iterations 3] [--engine hf|vllm]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the harness the tests use: an S3 serv
 ITERATION_STAGES = ("rollout", "score", "rl_update")
 
 
-def config(store: str, seed: int, iterations: int):
+def config(store: str, seed: int, iterations: int, engine: str = "hf"):
     from posttrain_core.config import (
         DataConfig,
         EvalConfig,
@@ -46,13 +46,20 @@ def config(store: str, seed: int, iterations: int):
         data=DataConfig(n_train=200, n_eval=16, seed=seed),
         model=ModelConfig(size="tiny"),
         pretrain=None,
-        sft=SFTConfig(max_steps=10, global_batch_size=16, micro_batch_size=8, max_seq_len=64, log_every=5,
-                      warmup_steps=2, seed=seed),  # fmt: skip
+        sft=SFTConfig(
+            max_steps=10,
+            global_batch_size=16,
+            micro_batch_size=8,
+            max_seq_len=64,
+            log_every=5,
+            warmup_steps=2,
+            seed=seed,
+        ),  # fmt: skip
         iterations=iterations,
-        rollout=RolloutConfig(n=4, max_prompts=16, max_tokens=8, num_engines=2, batch_size=8, seed=seed),
+        rollout=RolloutConfig(n=4, max_prompts=16, max_tokens=8, num_engines=2, batch_size=8, seed=seed, engine=engine),
         score=ScoreConfig(verifiers={"regex": 1.0, "exact_match": 0.0}, regex="[0-9]"),
         rl=RLConfig(algorithm="grpo", lr=1e-3, micro_batch_size=8, mini_batches=2, num_workers=2, seed=seed),
-        eval=EvalConfig(max_new_tokens=4, num_engines=1),
+        eval=EvalConfig(max_new_tokens=4, num_engines=1, engine=engine),
         eval_samples=0,
     )
 
@@ -81,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout and evaluation engine")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     from ray_nodes import two_nodes
@@ -94,28 +102,37 @@ def main() -> None:
         env = base | {k: v for k, v in s3.items() if k != "bucket"}
         for seed in seeds:
             name = f"seed{seed}"
-            own = {"MLFLOW_TRACKING_URI": f"sqlite:///{work}/{name}-mlflow.db", "PREFECT_HOME": str(work / f"{name}-pf")}
+            own = {
+                "MLFLOW_TRACKING_URI": f"sqlite:///{work}/{name}-mlflow.db",
+                "PREFECT_HOME": str(work / f"{name}-pf"),
+            }
             runs = {
-                "1 node, local store": (env | own | {"POSTTRAIN_CACHE_DIR": str(work / f"{name}-c1")}, str(work / f"{name}-store")),
-                "1 node, S3 store": (env | own | {"POSTTRAIN_CACHE_DIR": str(work / f"{name}-c2")},
-                                     f"s3://{s3['bucket']}/{uuid.uuid4().hex}"),  # fmt: skip
+                "1 node, local store": (
+                    env | own | {"POSTTRAIN_CACHE_DIR": str(work / f"{name}-c1")},
+                    str(work / f"{name}-store"),
+                ),
+                "1 node, S3 store": (
+                    env | own | {"POSTTRAIN_CACHE_DIR": str(work / f"{name}-c2")},
+                    f"s3://{s3['bucket']}/{uuid.uuid4().hex}",
+                ),  # fmt: skip
             }
             for i, (setup, (run_env, store)) in enumerate(runs.items()):
                 rows.setdefault(setup, []).append(
-                    drive(config(store, seed, args.iterations), run_env, work, f"{name}-{i}")
+                    drive(config(store, seed, args.iterations, args.engine), run_env, work, f"{name}-{i}")
                 )
                 print(f"{setup} seed {seed}: {rows[setup][-1]['wall_s']:.1f} s", flush=True)
             setup = "2 nodes, S3 store"
             with two_nodes(work, env | own, work / f"{name}-head") as nodes:
                 run_env = nodes.env | {"POSTTRAIN_CACHE_DIR": str(work / f"{name}-c3")}
                 store = f"s3://{s3['bucket']}/{uuid.uuid4().hex}"
-                rows.setdefault(setup, []).append(drive(config(store, seed, args.iterations), run_env, work, name))
+                cfg = config(store, seed, args.iterations, args.engine)
+                rows.setdefault(setup, []).append(drive(cfg, run_env, work, name))
             print(f"{setup} seed {seed}: {rows[setup][-1]['wall_s']:.1f} s", flush=True)
     for i, seed in enumerate(seeds):
         digests = {setup: runs[i]["digest"] for setup, runs in rows.items()}
         assert len(set(digests.values())) == 1, (seed, digests)
     ref = rows["1 node, local store"]
-    print(f"\nrlhf flow: SFT 10 steps, {args.iterations} GRPO iterations of 16 prompts x 4, 2 update ranks, 2 hf engines;"
+    print(f"\nrlhf flow: SFT 10 steps, {args.iterations} GRPO iterations of 16 prompts x 4, 2 update ranks, 2 {args.engine} engines;"
           f" seeds {seeds}; same final digests in every setup")  # fmt: skip
     print(f"{'setup':<22} {'wall s (per seed)':<22} {'vs 1 node local':>16} {'MB up/iter':>11} {'MB down/iter':>13}")
     for setup, runs in rows.items():
