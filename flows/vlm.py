@@ -24,22 +24,45 @@ from posttrain_core.config import (
 )
 
 
-def vlm_config(seed: int = 0, blank_images: bool = False, iterations: int = 6) -> RLHFFlowConfig:
+def vlm_config(seed: int = 0, blank_images: bool = False, iterations: int = 250) -> RLHFFlowConfig:
     """The embedded defaults of `make demo-vlm` (docs/vlm.md says what each choice is for)."""
     return RLHFFlowConfig(
         experiment="posttrain-vlm",
+        # SFT sees 2,000 labelled pictures; RL draws 128 fresh ones per iteration from 40,000 of its own (never the
+        # same picture twice in the demo), so what RL adds is read from new pixels through the reward alone.
         data=DataConfig(
-            families=["shapes"], n_train=6000, n_eval=200, n_rl_prompts=1024, seed=seed, blank_images=blank_images
-        ),
+            families=["shapes"],
+            n_train=2000,
+            n_eval=1000,
+            n_rl_prompts=40000,
+            slip_rate=0.0,
+            seed=seed,
+            blank_images=blank_images,
+        ),  # fmt: skip
         model=ModelConfig(arch="qwen2_vl", size="tiny", vocab_size=384, seed=seed),
         pretrain=None,
         sft=SFTConfig(
-            max_steps=3000, global_batch_size=32, micro_batch_size=16, lr=3e-3, warmup_steps=20, max_seq_len=96,
-            checkpoint_every=100, train_vision=True, seed=seed,
+            max_steps=1500,
+            global_batch_size=32,
+            micro_batch_size=16,
+            lr=3e-3,
+            warmup_steps=20,
+            max_seq_len=96,
+            checkpoint_every=100,
+            train_vision=True,
+            seed=seed,
         ),  # fmt: skip
         iterations=iterations,
-        rollout=RolloutConfig(n=8, max_prompts=32, max_tokens=8, temperature=1.0, batch_size=64, seed=seed),
-        rl=RLConfig(algorithm="grpo", lr=5e-4, mini_batches=2, micro_batch_size=32, train_vision=True, seed=seed),
+        rollout=RolloutConfig(n=8, max_prompts=128, max_tokens=8, temperature=1.0, batch_size=64, seed=seed),
+        rl=RLConfig(
+            algorithm="grpo",
+            lr=5e-4,
+            warmup_steps=10,
+            mini_batches=2,
+            micro_batch_size=32,
+            train_vision=True,
+            seed=seed,
+        ),  # fmt: skip
         eval=EvalConfig(max_new_tokens=8),
         eval_samples=4,
     )
