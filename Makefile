@@ -39,7 +39,7 @@ demo-real: $(STAMP)
 demo-distill: $(STAMP)
 	$(PY) -m flows.distill
 
-# A tiny vision-language model learns to read pictures: SFT then GRPO on the shapes task (docs/vlm.md; ~10 min).
+# A tiny vision-language model learns to read pictures: SFT then GRPO on the shapes task (docs/vlm.md; 10-12 min).
 demo-vlm: $(STAMP)
 	$(PY) -m flows.vlm
 
