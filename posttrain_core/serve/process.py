@@ -15,6 +15,7 @@ from pathlib import Path
 
 from posttrain_core.cluster import free_port
 from posttrain_core.env import own_ray_environment
+from posttrain_core.serve.app import READY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,12 +25,14 @@ class ServiceProcess:
 
     Args:
         keys: API key -> tenant, written to a keys file beside `state_dir`.
+        base_path: a model folder, or anything `--base-model` takes (a .gguf, `latest:STAGE`, a key).
+        store: a folder or a remote store's URI.
         more_bases: more base models, name -> path (a worker each).
         env: the service's environment (default: this one without `RAY_ADDRESS`, so it starts a local Ray of its own).
         flags: more `posttrain serve` options, e.g. `max_loras=2` for `--max-loras 2`.
     """
 
-    def __init__(self, base_name: str, base_path: Path, store: Path, state_dir: Path, log: Path,
+    def __init__(self, base_name: str, base_path: Path | str, store: Path | str, state_dir: Path, log: Path,
                  keys: dict[str, str], port: int | None = None, more_bases: dict[str, Path] | None = None,
                  env: dict[str, str] | None = None, **flags):  # fmt: skip
         self.base_name, self.base_path, self.store, self.state_dir, self.log = (
@@ -60,6 +63,7 @@ class ServiceProcess:
             cmd += [f"--{name}", str(value)]
         env = self.env or own_ray_environment()
         out = self.log.open("a")
+        since = out.tell()  # a restarted service appends to the same log
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -68,9 +72,11 @@ class ServiceProcess:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"posttrain serve exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            # The gateway answers as soon as it is up; the service is ready once `serve.run` has returned, every
+            # model worker up too, which the command says on its stdout.
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(self.url + "/api/v1/healthz", timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and READY.encode() in self.log.read_bytes()[since:]:
                         return self
             time.sleep(1)
         raise TimeoutError(f"posttrain serve not healthy in {timeout} s:\n{self.log.read_text()[-3000:]}")
