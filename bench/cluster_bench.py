@@ -54,7 +54,7 @@ def config(store: str, seed: int, iterations: int, engine: str = "hf"):
             log_every=5,
             warmup_steps=2,
             seed=seed,
-        ),  # fmt: skip
+        ),
         iterations=iterations,
         rollout=RolloutConfig(n=4, max_prompts=16, max_tokens=8, num_engines=2, batch_size=8, seed=seed, engine=engine),
         score=ScoreConfig(verifiers={"regex": 1.0, "exact_match": 0.0}, regex="[0-9]"),
@@ -114,7 +114,7 @@ def main() -> None:
                 "1 node, S3 store": (
                     env | own | {"POSTTRAIN_CACHE_DIR": str(work / f"{name}-c2")},
                     f"s3://{s3['bucket']}/{uuid.uuid4().hex}",
-                ),  # fmt: skip
+                ),
             }
             for i, (setup, (run_env, store)) in enumerate(runs.items()):
                 rows.setdefault(setup, []).append(

@@ -38,7 +38,7 @@ def vlm_config(seed: int = 0, blank_images: bool = False, iterations: int = 250)
             slip_rate=0.0,
             seed=seed,
             blank_images=blank_images,
-        ),  # fmt: skip
+        ),
         model=ModelConfig(arch="qwen2_vl", size="tiny", vocab_size=384, seed=seed),
         pretrain=None,
         sft=SFTConfig(
@@ -51,7 +51,7 @@ def vlm_config(seed: int = 0, blank_images: bool = False, iterations: int = 250)
             checkpoint_every=100,
             train_vision=True,
             seed=seed,
-        ),  # fmt: skip
+        ),
         iterations=iterations,
         rollout=RolloutConfig(n=8, max_prompts=128, max_tokens=8, temperature=1.0, batch_size=64, seed=seed),
         rl=RLConfig(
@@ -62,7 +62,7 @@ def vlm_config(seed: int = 0, blank_images: bool = False, iterations: int = 250)
             micro_batch_size=32,
             train_vision=True,
             seed=seed,
-        ),  # fmt: skip
+        ),
         eval=EvalConfig(max_new_tokens=8),
         eval_samples=4,
     )

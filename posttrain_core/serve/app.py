@@ -23,27 +23,31 @@ from posttrain_core.serve.memory import GiB, gib
 
 log = logging.getLogger("posttrain.serve")
 
+READY = "posttrain serve: listening on"  # printed once every deployment runs (`ServiceProcess` waits for it)
 DEFAULT_MEMORY_SHARE = 0.8  # of the memory this machine has free at start, when --memory-gb is not given
 
 
-def _bases(config: ServeConfig, store) -> dict:
-    """Each base model as an artifact ref: a store artifact (a .gguf is imported once, `latest:STAGE`, a key), which a
-    worker on any node fetches from the store, or a local folder, which every node that runs a worker must have."""
+def _bases(config: ServeConfig, store) -> dict[str, dict]:
+    """Each base model by its public name: `ref`, its artifact (a store artifact: a .gguf imported once,
+    `latest:STAGE`, a key, which a worker on any node fetches from the store; or a local folder, which every node
+    that runs a worker must have), `path`, a folder of its configs and tokenizer on this machine
+    (`ArtifactStore.metadata_path`), and `check_model_path`'s facts."""
     from posttrain_core.models.build import stored_model
     from posttrain_core.models.gguf import import_gguf, is_gguf_path
     from posttrain_core.models.loading import check_model_path
     from posttrain_core.serve import checkpoints
 
-    refs = {}
+    bases = {}
     for name, path in config.base_models.items():
         ref = import_gguf(path, store) if is_gguf_path(path) else stored_model(path, store, f"base_models.{name}")
         if ref is None:
             ref = checkpoints.base_ref(store, path)
-        info = check_model_path(str(store.metadata_path(ref)))
+        folder = str(store.metadata_path(ref))
+        info = check_model_path(folder)
         if info["is_adapter"]:
             raise ValueError(f"base_models.{name}: {path} is an adapter; serve its base model")
-        refs[name] = ref
-    return refs
+        bases[name] = {"ref": ref, "path": folder, **info}
+    return bases
 
 
 def _here() -> dict[str, float]:
@@ -116,8 +120,8 @@ def start(config: ServeConfig) -> str:
             name=f"model-{i}",
             ray_actor_options={"num_cpus": 0, "memory": share, "resources": config.worker_resources},
             **options,
-        ).bind(name, ref, config, share)
-        for i, (name, ref) in enumerate(bases.items())
+        ).bind(name, base["ref"], config, share)
+        for i, (name, base) in enumerate(bases.items())
     }
     # No per-request access log: every client heartbeats and long-polls; lifecycle events are logged instead.
     logging_config = {"enable_access_log": False, "log_level": "INFO"}
@@ -135,7 +139,7 @@ def start(config: ServeConfig) -> str:
 def run_forever(config: ServeConfig) -> None:
     """Start the service and keep this process (which owns the local Ray) alive until interrupted."""
     url = start(config)
-    print(f"posttrain serve: listening on {url} (TINKER_BASE_URL={url}); Ctrl-C stops", flush=True)
+    print(f"{READY} {url} (TINKER_BASE_URL={url}); Ctrl-C stops", flush=True)
     try:
         while True:
             time.sleep(3600)

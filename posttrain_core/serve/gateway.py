@@ -46,22 +46,17 @@ class Gateway:
         config: the service's settings, resolved by `app.start` (store, state_dir).
         keys: API key -> tenant (None: any tml- key is its own tenant).
         workers: each base model's `ModelWorker` handle, by its public name.
-        bases: each base model's artifact (`app._bases`), by its public name.
+        bases: each base model's artifact, configs folder and facts (`app._bases`), by its public name; the gateway
+            runs on the node that resolved them.
     """
 
     def __init__(
-        self, config: ServeConfig, keys: dict[str, str] | None, workers: dict[str, Any], bases: dict[str, ArtifactRef]
+        self, config: ServeConfig, keys: dict[str, str] | None, workers: dict[str, Any], bases: dict[str, dict]
     ):
         from posttrain_core.artifacts import ArtifactStore
-        from posttrain_core.models.loading import check_model_path
 
-        self.config, self.keys = config, keys
+        self.config, self.keys, self.bases = config, keys, bases
         self.store = ArtifactStore(config.store)
-        self.base_refs = bases
-        self.bases = {}
-        for name, ref in bases.items():  # configs and tokenizer: the weights stay where the workers are
-            path = str(self.store.metadata_path(ref))
-            self.bases[name] = {"path": path, **check_model_path(path)}
         self.journal = Journal(Path(config.state_dir) / "journal.sqlite")
         self.futures = Futures(self.journal, config.max_queued, config.long_poll_s)
         self.workers = Workers(workers, self.journal)
@@ -267,7 +262,7 @@ class Gateway:
             raise UserError(f"path: checkpoint {path} exists; save under another name or pass overwrite=True")
         payload = {"adapter": model["adapter"], "key": key, "with_state": kind == "weights"}
         saved = await self.workers.submit(tenant, model["base"], "save", payload)
-        base = self.base_refs[model["base"]]
+        base = self.bases[model["base"]]["ref"]
         fields = {
             "tenant": tenant,
             "session": model["session"],
